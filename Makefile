@@ -1,0 +1,44 @@
+# Two commands on a fresh machine:
+#   make demo   # the smallest end-to-end demo: train DEQ-LM, evaluate it with lm-eval, reload it as remote code
+#   make test   # the test suite (installs everything first)
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export HF_EVALUATE_OFFLINE := 1
+
+.PHONY: install demo test test-slow lint vendor bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# torch==2.13.0 first (the CPU wheel); constraints keep every later install from replacing it with a CUDA build.
+install: $(BIN)/python
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[all,test]"
+
+demo: install
+	$(BIN)/python -m recipes.train_deq_lm --output_dir runs/deq_lm_demo
+
+test: install
+	$(BIN)/python -m hf_fixedpoint.vendor --check
+	$(BIN)/python -m pytest -q
+
+test-slow: install
+	$(BIN)/python -m pytest -q -m slow
+
+lint: install
+	$(BIN)/ruff check hf_fixedpoint modeling eval recipes tests benchmarks
+
+vendor: install
+	$(BIN)/python -m hf_fixedpoint.vendor
+
+bench: install
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[bench]"
+	$(BIN)/python -m benchmarks.bench_solvers
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info

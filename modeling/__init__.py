@@ -1,0 +1,30 @@
+"""Model families, one folder each (installed as ``hf_fixedpoint.modeling``).
+
+Importing this package registers every family with the transformers Auto classes (for users who have the library
+installed) and marks the classes for ``auto_map`` so ``save_pretrained`` writes self-contained remote code. Each family
+folder imports only torch, transformers and its own sibling files -- never ``hf_fixedpoint`` -- so a saved checkpoint
+loads with ``trust_remote_code=True`` where hf-fixedpoint is not installed.
+"""
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from .deq_lm import DEQLMConfig, DEQLMForCausalLM, DEQLMModel
+
+# (config class, [(Auto class, model class), ...]) for every family.
+FAMILIES = [
+    (DEQLMConfig, [(AutoModel, DEQLMModel), (AutoModelForCausalLM, DEQLMForCausalLM)]),
+]
+
+
+def _register():
+    for config_class, models in FAMILIES:
+        AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
+        config_class.register_for_auto_class()
+        for auto_class, model_class in models:
+            auto_class.register(config_class, model_class, exist_ok=True)
+            model_class.register_for_auto_class(auto_class.__name__)
+
+
+_register()
+
+__all__ = ["DEQLMConfig", "DEQLMForCausalLM", "DEQLMModel", "FAMILIES"]

@@ -1,0 +1,174 @@
+"""DEQ-LM: token embeddings inject ``x`` into one weight-tied block ``f(z; x)``; the block is solved to its fixed point
+``z* = f(z*; x)`` by ``fixed_point`` and ``z*`` is decoded by a tied LM head.
+
+The map is ``h = x + Attn(norm1(z))``, ``f(z; x) = h + MLP(norm2(h))``: the state enters only through normalized
+sublayers, so with small weights ``f`` is a contraction and the solve converges from ``z0 = 0``.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import ModelOutput
+
+from .configuration_deq_lm import DEQLMConfig
+from .fp_backward import fixed_point
+from .fp_settings import fixed_point_kwargs
+from .fp_stats import FixedPointStats
+
+
+@dataclass
+class DEQLMModelOutput(ModelOutput):
+    """``last_hidden_state``: normalized fixed point ``(B, T, D)``; ``fp_stats``: the solve's statistics."""
+
+    last_hidden_state: Optional[torch.FloatTensor] = None
+    fp_stats: Optional[FixedPointStats] = None
+
+
+@dataclass
+class DEQLMCausalLMOutput(ModelOutput):
+    loss: Optional[torch.FloatTensor] = None
+    logits: Optional[torch.FloatTensor] = None
+    fp_stats: Optional[FixedPointStats] = None
+
+
+class DEQLMAttention(nn.Module):
+    def __init__(self, config: DEQLMConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.q_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+        B, T, _ = hidden_states.shape
+        shape = (B, T, self.num_heads, self.head_dim)
+        q = self.q_proj(hidden_states).view(shape).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class DEQLMMLP(nn.Module):
+    def __init__(self, config: DEQLMConfig):
+        super().__init__()
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.gelu(self.up_proj(x)))
+
+
+class DEQLMBlock(nn.Module):
+    """The fixed-point map ``f(z; x)``."""
+
+    def __init__(self, config: DEQLMConfig):
+        super().__init__()
+        self.norm1 = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.attn = DEQLMAttention(config)
+        self.norm2 = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = DEQLMMLP(config)
+
+    def forward(self, z: torch.Tensor, x: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+        h = x + self.attn(self.norm1(z), attn_mask)
+        return h + self.mlp(self.norm2(h))
+
+
+class DEQLMPreTrainedModel(PreTrainedModel):
+    config_class = DEQLMConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["DEQLMBlock"]
+    _supports_sdpa = True
+
+
+class DEQLMModel(DEQLMPreTrainedModel):
+    def __init__(self, config: DEQLMConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.block = DEQLMBlock(config)
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        inputs_embeds: Optional[torch.FloatTensor] = None,
+        fp_overrides: Optional[dict] = None,
+        **kwargs,
+    ) -> DEQLMModelOutput:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids and inputs_embeds.")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        B, T, _ = inputs_embeds.shape
+        if T > self.config.max_position_embeddings:
+            raise ValueError(f"sequence length {T} exceeds max_position_embeddings={self.config.max_position_embeddings}.")
+        x = inputs_embeds + self.embed_positions(torch.arange(T, device=inputs_embeds.device))
+        # (B, 1, T, T) bool mask: causal, and padded keys masked out (a fully padded row keeps its diagonal).
+        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()[None, None].expand(B, 1, T, T)
+        if attention_mask is not None:
+            mask = mask & attention_mask[:, None, None, :].bool()
+            mask = mask | torch.eye(T, dtype=torch.bool, device=x.device)
+        kwargs_fp = fixed_point_kwargs(self.config, self.training, fp_overrides)
+        z, stats = fixed_point(self.block, torch.zeros_like(x), args=(x, mask), compact=True, **kwargs_fp)
+        return DEQLMModelOutput(last_hidden_state=self.norm(z), fp_stats=stats)
+
+
+class DEQLMForCausalLM(DEQLMPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: DEQLMConfig):
+        super().__init__(config)
+        self.model = DEQLMModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        inputs_embeds: Optional[torch.FloatTensor] = None,
+        labels: Optional[torch.LongTensor] = None,
+        fp_overrides: Optional[dict] = None,
+        **kwargs,
+    ) -> DEQLMCausalLMOutput:
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+                         fp_overrides=fp_overrides)
+        logits = self.lm_head(out.last_hidden_state)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
+        return DEQLMCausalLMOutput(loss=loss, logits=logits, fp_stats=out.fp_stats)
+
+    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, fp_overrides=None, **kwargs):
+        # No KV cache: a fixed point is recomputed over the whole prefix at every step.
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "fp_overrides": fp_overrides}
+
+
+__all__ = ["DEQLMForCausalLM", "DEQLMModel", "DEQLMPreTrainedModel"]
