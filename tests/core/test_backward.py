@@ -1,0 +1,201 @@
+"""Backward modes against exact gradients (float64 dense adjoint solves) and torch.autograd.gradcheck."""
+
+import warnings
+
+import pytest
+import torch
+
+from hf_fixedpoint import BACKWARDS, FixedPointWarning, fixed_point
+from tests.core.problems import exact_gradients, rel_err, tanh_problem
+
+SOLVERS = ["picard", "fpopt", "anderson", "broyden"]
+MODES = ["ift", "phantom", "one_step", "bptt"]
+TIGHT = {"tol": 1e-12, "max_iter": 2000}
+
+
+@pytest.fixture(scope="module")
+def easy():
+    f, W, x = tanh_problem(B=3, D=6, norm=0.9)
+    c = torch.randn(3, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    zs, gW, gx = exact_gradients(f, W, x, c)
+    return f, W, x, c, zs, gW, gx
+
+
+def _grads(f, W, x, c, **kw):
+    W.grad, x.grad = None, None
+    z, stats = fixed_point(f, torch.zeros_like(x.detach()), args=(x,), **kw)
+    (z * c).sum().backward()
+    return z, stats, W.grad.clone(), x.grad.clone()
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+@pytest.mark.parametrize("backward_solver", SOLVERS)
+def test_ift_matches_exact_gradient_for_every_solver_pair(easy, solver, backward_solver):
+    f, W, x, c, zs, gW, gx = easy
+    z, stats, dW, dx = _grads(f, W, x, c, solver=solver, tol=1e-12, max_iter=2000,
+                              backward_kwargs={"solver": backward_solver, **TIGHT})
+    assert rel_err(z.detach(), zs) < 1e-10
+    assert rel_err(dW, gW) < 1e-10 and rel_err(dx, gx) < 1e-10
+    assert stats.backward is not None and stats.backward.converged.all()
+
+
+def test_ift_hard_case_fp64():
+    f, W, x = tanh_problem(B=2, D=6, norm=0.99, symmetric=True, inj=0.1)
+    c = torch.randn(2, 6, dtype=torch.float64)
+    _, gW, gx = exact_gradients(f, W, x, c)
+    _, _, dW, dx = _grads(f, W, x, c, solver="broyden", tol=1e-13, max_iter=3000, backward_kwargs=TIGHT)
+    assert rel_err(dW, gW) < 1e-10 and rel_err(dx, gx) < 1e-10
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+@pytest.mark.parametrize("mode", MODES)
+def test_every_solver_backward_pair_runs_and_values_are_z_star(easy, solver, mode):
+    # The backward mode changes gradients only: the value is always the solver's z*.
+    f, W, x, c, zs, gW, gx = easy
+    z, stats, dW, dx = _grads(f, W, x, c, solver=solver, tol=1e-11, max_iter=2000, backward=mode)
+    assert rel_err(z.detach(), zs) < 1e-9
+    # Full bptt differentiates a Picard unroll as long as the forward solve: exact after a Picard forward, close after
+    # an accelerated one (fewer steps than Picard needs).
+    exact = mode == "ift" or (mode == "bptt" and solver in ("picard", "fpopt"))
+    assert torch.isfinite(dW).all() and rel_err(dW, gW) < (1e-8 if exact else 1e-2 if mode == "bptt" else 0.6)
+
+
+def test_approximate_modes_have_the_expected_bias(easy):
+    # JFB is biased (torchdeq measured 31-38% on easy cases); more phantom steps reduce the bias; full BPTT through a
+    # converged Picard unroll equals the implicit gradient.
+    f, W, x, c, zs, gW, gx = easy
+    err = {}
+    for mode, kw in [("one_step", {}), ("phantom", {"steps": 2}), ("phantom", {"steps": 10}), ("bptt", {})]:
+        _, _, dW, _ = _grads(f, W, x, c, solver="picard", tol=1e-12, max_iter=500, backward=mode, backward_kwargs=kw)
+        err[(mode, kw.get("steps"))] = rel_err(dW, gW)
+    assert err[("one_step", None)] > 0.05
+    assert err[("phantom", 10)] < err[("phantom", 2)] < err[("one_step", None)]
+    assert err[("bptt", None)] < 1e-8
+
+
+def test_bptt_truncated_equals_phantom(easy):
+    f, W, x, c, *_ = easy
+    _, _, a, _ = _grads(f, W, x, c, solver="picard", tol=1e-12, backward="bptt", backward_kwargs={"steps": 3})
+    _, _, b, _ = _grads(f, W, x, c, solver="picard", tol=1e-12, backward="phantom", backward_kwargs={"steps": 3})
+    torch.testing.assert_close(a, b)
+
+
+def test_full_bptt_reaches_z0():
+    W = torch.randn(4, 4, dtype=torch.float64) * 0.2
+    z0 = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    z, stats = fixed_point(lambda z: torch.tanh(z @ W.T + 1), z0, solver="picard", tol=1e-3, max_iter=3,
+                           min_iter=3, backward="bptt", backward_kwargs={"steps": None})
+    z.sum().backward()
+    assert z0.grad is not None and z0.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gradcheck_every_backward_mode(mode):
+    # gradcheck differentiates the whole solve numerically. For ift and full bptt the analytic gradient is the exact
+    # one; phantom/one_step define a different (surrogate) gradient, so they are checked against their own
+    # definition: the same number of differentiable steps unrolled from the detached z*.
+    D = 4
+    W = torch.randn(D, D, dtype=torch.float64)
+    W = 0.5 * W / torch.linalg.matrix_norm(W, 2)
+    x = torch.randn(2, D, dtype=torch.float64, requires_grad=True)
+    f = lambda z, x: torch.tanh(z @ W.T + x)
+    kw = {"solver": "anderson", "tol": 1e-13, "max_iter": 500}
+
+    def solved(x):
+        return fixed_point(f, torch.zeros(2, D, dtype=torch.float64), args=(x,), backward=mode,
+                           backward_kwargs=TIGHT if mode == "ift" else None, **kw)[0]
+
+    if mode in ("ift", "bptt"):
+        assert torch.autograd.gradcheck(solved, (x,), eps=1e-6, atol=1e-7)
+    else:
+        steps = 1 if mode == "one_step" else 5
+        z_star = solved(x).detach()
+
+        def surrogate(x):
+            z = z_star
+            for _ in range(steps):
+                z = f(z, x)
+            return z
+
+        y = torch.randn(2, D, dtype=torch.float64)
+        (g_mode,) = torch.autograd.grad((solved(x) * y).sum(), x)
+        (g_ref,) = torch.autograd.grad((surrogate(x) * y).sum(), x)
+        torch.testing.assert_close(g_mode, g_ref)
+        assert torch.autograd.gradcheck(surrogate, (x,))
+
+
+def test_gradients_flow_in_eval_mode_and_closures():
+    # Gradient semantics depend on grad mode only (torchdeq returns no-grad outputs in eval()).
+    lin = torch.nn.Linear(4, 4).double().eval()
+    with torch.no_grad():
+        lin.weight.mul_(0.1)
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)  # closed over, not in args
+    z, _ = fixed_point(lambda z: torch.tanh(lin(z) + x), torch.zeros(3, 4, dtype=torch.float64))
+    z.sum().backward()
+    assert lin.weight.grad is not None and x.grad is not None
+
+
+def test_no_grad_skips_backward_work():
+    calls = []
+    W = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+
+    def f(z):
+        calls.append(1)
+        return torch.tanh(z @ (0.1 * W).T + 1)
+
+    with torch.no_grad():
+        z, stats = fixed_point(f, torch.zeros(2, 4, dtype=torch.float64))
+    assert len(calls) == stats.nfe and not z.requires_grad
+
+
+def test_two_calls_in_one_graph():
+    # torchdeq's hook-based IFT recurses forever here; the Function-based one must add both contributions.
+    f, W, x = tanh_problem(B=2, D=5, norm=0.9)
+    c = torch.randn(2, 5, dtype=torch.float64)
+    _, gW, _ = exact_gradients(f, W, x, c)
+    W.grad = None
+    z1, _ = fixed_point(f, torch.zeros(2, 5, dtype=torch.float64), args=(x,), tol=1e-12, backward_kwargs=TIGHT)
+    z2, _ = fixed_point(f, torch.zeros(2, 5, dtype=torch.float64), args=(x,), tol=1e-12, backward_kwargs=TIGHT)
+    ((z1 + z2) * c).sum().backward()
+    assert rel_err(W.grad, 2 * gW) < 1e-10
+
+
+def test_unconverged_adjoint_warns_and_reports():
+    f, W, x = tanh_problem(B=2, D=8, norm=0.99, symmetric=True, inj=0.1)
+    z, stats = fixed_point(f, torch.zeros(2, 8, dtype=torch.float64), args=(x,), tol=1e-10, max_iter=2000,
+                           backward_kwargs={"solver": "picard", "tol": 1e-12, "max_iter": 3})
+    with pytest.warns(FixedPointWarning, match="adjoint solve"):
+        z.sum().backward()
+    assert not stats.backward.converged.all()
+    assert stats.summary()["fp_backward_converged_fraction"] < 1
+
+
+def test_masked_adjoint_excludes_unconverged_entries():
+    # Entry 1 is masked out: its adjoint is g (no implicit term); entry 0 keeps the exact implicit gradient.
+    f, W, x = tanh_problem(B=2, D=4, norm=0.9)
+    c = torch.randn(2, 4, dtype=torch.float64)
+    _, gW, gx = exact_gradients(f, W, x, c)
+    x.grad = None
+    mask = torch.tensor([True, False])
+    z, _ = fixed_point(f, torch.zeros(2, 4, dtype=torch.float64), args=(x,), tol=1e-12,
+                       backward_kwargs={"mask": mask, **TIGHT})
+    (z * c).sum().backward()
+    assert rel_err(x.grad[0], gx[0]) < 1e-10
+    zs = z.detach()[1:2]
+    (one_step,) = torch.autograd.grad((f(zs, x[1:2]) * c[1:2]).sum(), x)
+    torch.testing.assert_close(x.grad[1], one_step[1])
+
+
+def test_masked_adjoint_converged_keyword():
+    f, W, x = tanh_problem(B=2, D=4, norm=0.99, symmetric=True, inj=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FixedPointWarning)
+        z, stats = fixed_point(f, torch.zeros(2, 4, dtype=torch.float64), args=(x,), tol=1e-14, max_iter=3,
+                               solver="picard", backward_kwargs={"mask": "converged"})
+        z.sum().backward()
+    assert not stats.converged.any()
+    assert x.grad is not None
+
+
+def test_backward_registry():
+    assert BACKWARDS.names() == sorted(MODES)

@@ -1,0 +1,188 @@
+"""Forward solvers against exact answers (float64), per-entry convergence, compaction and stopping rules."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_fixedpoint import SOLVERS, solve
+from tests.core.problems import exact_fixed_point, tanh_problem
+
+ALL_SOLVERS = ["picard", "fpopt", "anderson", "broyden"]
+
+
+def test_newton_map_sqrt2():
+    # The Newton map for sqrt(2) (torchdeq's docstring example): a fixed point, not a contraction from far away.
+    z, stats = solve(lambda z: 0.5 * (z + 2 / z), torch.ones(1, 1, dtype=torch.float64), solver="picard", tol=1e-14)
+    assert abs(float(z) - math.sqrt(2)) < 1e-14
+    assert stats.converged.all()
+
+
+@pytest.mark.parametrize("solver", ALL_SOLVERS)
+@pytest.mark.parametrize("symmetric,inj", [(False, 1.0), (True, 0.1)])
+def test_solvers_reach_exact_fixed_point(solver, symmetric, inj):
+    f, W, x = tanh_problem(B=4, D=8, norm=0.95, symmetric=symmetric, inj=inj)
+    ref = exact_fixed_point(f, x, 8)
+    z, stats = solve(f, torch.zeros(4, 8, dtype=torch.float64), args=(x.detach(),), solver=solver, tol=1e-12,
+                     max_iter=2000)
+    assert stats.converged.all(), stats
+    assert (z - ref).abs().max() < 1e-9
+    assert stats.residual.max() < 1e-12
+    assert stats.nstep.shape == (4,) and stats.nfe == int(stats.nstep.max())
+
+
+def test_anderson_beats_picard_on_hard_case():
+    f, W, x = tanh_problem(B=8, D=32, norm=0.99, symmetric=True, inj=0.1)
+    z0 = torch.zeros(8, 32, dtype=torch.float64)
+    _, sp = solve(f, z0, args=(x.detach(),), solver="picard", tol=1e-8, max_iter=5000)
+    _, sa = solve(f, z0, args=(x.detach(),), solver="anderson", tol=1e-8, max_iter=5000)
+    _, sb = solve(f, z0, args=(x.detach(),), solver="broyden", tol=1e-8, max_iter=5000)
+    assert sa.nfe < sp.nfe / 2 and sb.nfe < sp.nfe / 2
+
+
+def test_anderson_is_scale_invariant():
+    # Scaling the state must not change the iteration count (torchdeq's absolute ridge does: 47 / 22 / 12).
+    f, W, x = tanh_problem(B=4, D=16, norm=0.99, symmetric=True)
+    counts = []
+    for s in (1e-2, 1.0, 1e2):
+        fs = lambda z, x, s=s: s * f(z / s, x)
+        _, stats = solve(fs, torch.zeros(4, 16, dtype=torch.float64), args=(x.detach(),), tol=1e-10, max_iter=500)
+        counts.append(stats.nfe)
+    assert max(counts) - min(counts) <= 1, counts
+
+
+def test_per_sample_results_do_not_depend_on_batch_mates():
+    f, W, x = tanh_problem(B=6, D=8, norm=0.99, symmetric=True, inj=0.1)
+    xb = x.detach()
+    z_all, _ = solve(f, torch.zeros(6, 8, dtype=torch.float64), args=(xb,), tol=1e-6, solver="anderson")
+    for b in range(6):
+        z_one, _ = solve(f, torch.zeros(1, 8, dtype=torch.float64), args=(xb[b : b + 1],), tol=1e-6,
+                         solver="anderson")
+        # Equal up to floating-point reassociation in batched matmuls (torchdeq differs by ~1e-3 relative here).
+        torch.testing.assert_close(z_all[b], z_one[0], rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("solver", ALL_SOLVERS)
+def test_compaction_matches_no_compaction(solver):
+    # Half the samples contract fast, half slowly; dropping finished rows must not change any result.
+    f0, W, x = tanh_problem(B=8, D=8, norm=0.99)
+    scale = torch.tensor([0.05, 0.99] * 4, dtype=torch.float64)[:, None]
+    f = lambda z, x, s: torch.tanh(s * (z @ W.T) + x)
+    args = (x.detach(), scale)
+    z0 = torch.zeros(8, 8, dtype=torch.float64)
+    z1, s1 = solve(f, z0, args=args, solver=solver, tol=1e-9, max_iter=500)
+    z2, s2 = solve(f, z0, args=args, solver=solver, tol=1e-9, max_iter=500, compact=True)
+    torch.testing.assert_close(z1, z2, rtol=0, atol=1e-12)
+    assert torch.equal(s1.nstep, s2.nstep)
+    assert s1.nstep[0] < s1.nstep[1]
+
+
+def test_compaction_evaluates_fewer_rows():
+    W = torch.randn(8, 8, dtype=torch.float64) * 0.1
+    scale = torch.tensor([0.01, 1.0, 0.01, 1.0], dtype=torch.float64)[:, None]
+    rows = []
+
+    def f(z, s):
+        rows.append(z.shape[0])
+        return torch.tanh(s * (z @ W.T) + 1)
+
+    solve(f, torch.zeros(4, 8, dtype=torch.float64), args=(scale,), solver="picard", tol=1e-12, compact=True)
+    assert rows[0] == 4 and rows[-1] == 2
+
+
+def test_per_token_granularity_freezes_converged_tokens():
+    # batch_dims=2 on (B, T, D): each token is an entry with its own count.
+    rates = torch.tensor([[0.1, 0.5, 0.9]], dtype=torch.float64)[..., None]
+    f = lambda z: rates * z + 1.0  # fixed point 1 / (1 - rate) per token
+    z, stats = solve(f, torch.zeros(1, 3, 2, dtype=torch.float64), solver="picard", tol=1e-10, stop_mode="abs",
+                     batch_dims=2, max_iter=1000)
+    assert stats.nstep.shape == (1, 3)
+    assert stats.nstep[0, 0] < stats.nstep[0, 1] < stats.nstep[0, 2]
+    torch.testing.assert_close(z[0, :, 0], 1 / (1 - rates[0, :, 0]), rtol=0, atol=1e-9)
+
+
+def test_min_iter_and_stop_fraction():
+    rates = torch.tensor([0.1, 0.1, 0.1, 0.95], dtype=torch.float64)[:, None]
+    f = lambda z: rates * z + 1.0
+    z0 = torch.zeros(4, 2, dtype=torch.float64)
+    _, s = solve(f, z0, solver="picard", tol=1e-3, stop_mode="abs", min_iter=40, max_iter=1000)
+    assert int(s.nstep.min()) == 40
+    # Stop once at most 25% of the entries are unconverged: the slow one is left unconverged.
+    _, s = solve(f, z0, solver="picard", tol=1e-6, stop_mode="abs", stop_fraction=0.25, max_iter=1000)
+    assert s.converged.tolist() == [True, True, True, False]
+    assert s.nfe < 50
+
+
+def test_fpopt_decays_step_and_halts_on_oscillation():
+    # f(z) = -z oscillates under plain iteration; FPRM's optimizer damps the step until it halts or converges.
+    f = lambda z: -z + 0.0
+    z, s = solve(f, torch.ones(2, 3, dtype=torch.float64), solver="fpopt", tol=1e-8, max_iter=500,
+                 solver_kwargs={"patience": 2, "decay": 0.5, "min_step": 1e-3})
+    assert s.nfe < 500
+    assert bool(s.converged.all()) or int(s.nstep.max()) < 500
+
+
+def test_fpopt_halts_entries_whose_step_vanishes():
+    # An expanding map never improves: the step shrinks to min_step and the entry halts, unconverged.
+    f = lambda z: 2 * z + 1
+    _, s = solve(f, torch.zeros(3, 2, dtype=torch.float64), solver="fpopt", tol=1e-8, max_iter=1000,
+                 solver_kwargs={"patience": 1, "decay": 0.5, "min_step": 1e-2})
+    assert not s.converged.any()
+    assert int(s.nstep.max()) < 1000
+
+
+@pytest.mark.parametrize("mode", ["best", "last"])
+def test_return_mode_for_unconverged(mode):
+    f, W, x = tanh_problem(B=3, D=8, norm=0.99, symmetric=True, inj=0.1)
+    z, s = solve(f, torch.zeros(3, 8, dtype=torch.float64), args=(x.detach(),), solver="picard", tol=1e-14,
+                 max_iter=5, return_mode=mode, track_trace=True)
+    assert not s.converged.any()
+    assert s.trace.shape == (5, 3)
+    if mode == "best":
+        torch.testing.assert_close(s.residual, s.trace.min(0).values)
+    else:
+        torch.testing.assert_close(s.residual, s.trace[-1])
+
+
+def test_stats_summary_and_dtype():
+    f, W, x = tanh_problem(B=2, D=4, dtype=torch.float32)
+    z, s = solve(f, torch.zeros(2, 4), args=(x.detach(),), tol=1e-4)
+    assert z.dtype == torch.float32
+    summary = s.summary()
+    assert set(summary) >= {"fp_nfe", "fp_nstep_mean", "fp_residual_max", "fp_converged_fraction"}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("solver", ALL_SOLVERS)
+def test_low_precision_states(solver, dtype):
+    # torchdeq's Anderson fails here ("lu_cpu" not implemented for BFloat16/Half); ours solves in float32.
+    f, W, x = tanh_problem(B=4, D=16, norm=0.9, dtype=torch.float32)
+    fl = lambda z, x: f(z.float(), x).to(dtype)
+    z, s = solve(fl, torch.zeros(4, 16, dtype=dtype), args=(x.detach(),), solver=solver, tol=1e-2, max_iter=100)
+    assert z.dtype == dtype and s.converged.all()
+
+
+def test_registry_lists_solvers():
+    assert SOLVERS.names() == sorted(ALL_SOLVERS)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    norm=st.floats(0.1, 0.9),
+    solver=st.sampled_from(ALL_SOLVERS),
+    B=st.integers(1, 4),
+    D=st.integers(1, 12),
+)
+def test_property_contractive_maps_converge(seed, norm, solver, B, D):
+    # Any map with Lipschitz constant < 1 converges to a point with residual below tol.
+    g = torch.Generator().manual_seed(seed)
+    A = torch.randn(D, D, generator=g, dtype=torch.float64)
+    W = norm * A / torch.linalg.matrix_norm(A, 2)
+    x = torch.randn(B, D, generator=g, dtype=torch.float64)
+    f = lambda z: torch.tanh(z @ W.T + x)
+    z, s = solve(f, torch.zeros(B, D, dtype=torch.float64), solver=solver, tol=1e-10, max_iter=3000)
+    assert s.converged.all()
+    assert float((f(z) - z).norm(dim=1).max()) <= 1e-9 * max(1.0, float(z.norm(dim=1).max()))
