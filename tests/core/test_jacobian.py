@@ -135,8 +135,9 @@ def test_spectral_radius_batch_dims_entries_are_independent():
 
 @pytest.mark.parametrize("product", PRODUCTS)
 def test_spectral_radius_warm_start(product):
-    # slowly separating spectrum so that a few iterations leave a visible error
-    a = symmetric_matrix([2.0, 1.8, 1.5, 1.0, 0.5, 0.2, -0.1, 0.05], seed=1)
+    # a spectrum that separates moderately, so that 3 iterations leave a visible error (for a symmetric A the
+    # estimate ||A v|| increases monotonically: ||A v||^2 = <v, A^2 v> <= ||A^2 v||)
+    a = symmetric_matrix([2.0, -1.4, 1.2, 1.0, 0.5, 0.2, -0.1, 0.05], seed=1)
     f = linear_map(a)
     z = torch.randn(4, 8, dtype=DT)
     rho_cold, v = spectral_radius(f, z, n_iter=3, product=product, generator=_gen(6), return_vector=True)
@@ -151,6 +152,7 @@ def test_spectral_radius_warm_start(product):
     for before, after in zip(errs, errs[1:]):
         assert (after < before).all()
     assert (errs[-1] < 0.5 * errs[0]).all()
+    assert errs[-1].median() < 1e-2 * errs[0].median()
     # warm-starting is exactly "more iterations": 3 + 3 warm == 6 cold with the same random start
     r3, v3 = spectral_radius(f, z, n_iter=3, product=product, generator=_gen(9), return_vector=True)
     r33 = spectral_radius(f, z, n_iter=3, product=product, v0=v3)
@@ -267,9 +269,6 @@ def test_spectral_radius_one_iteration_is_hutchinson(product):
     mean, se = est.mean().item(), est.std().item() / math.sqrt(n_entries)
     assert abs(mean - fro2 / n) < 4 * se + 1e-12
     assert mean == pytest.approx(fro2 / n, rel=0.05)
-    # and many iterations move the estimate towards rho^2 instead
-    rho_many = spectral_radius(linear_map(a), z[:50], n_iter=200, product=product, generator=_gen(33))
-    assert rho_many.pow(2).mean().item() == pytest.approx(exact_rho(a) ** 2, rel=1e-3)
 
 
 def test_spectral_radius_one_iteration_hutchinson_over_seeds():

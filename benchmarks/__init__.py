@@ -1,0 +1,1 @@
+"""Benchmarks of hf_fixedpoint (run from the repository root as ``python -m benchmarks.<name>``)."""

@@ -1,0 +1,114 @@
+"""Repository rules: vendored copies in sync, import hygiene, packaging, CI wiring."""
+
+import ast
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CORE = ROOT / "hf_fixedpoint" / "core"
+
+
+def test_vendored_copies_are_in_sync():
+    from hf_fixedpoint import vendor
+
+    assert vendor.sync(ROOT / "modeling", check=True) == []
+
+
+def test_vendor_check_detects_drift(tmp_path):
+    import shutil
+
+    from hf_fixedpoint import vendor
+
+    shutil.copytree(ROOT / "modeling", tmp_path / "modeling")
+    fam = next(p for p in (tmp_path / "modeling").iterdir() if p.is_dir() and any(p.glob("fp_*.py")))
+    copy = next(fam.glob("fp_*.py"))
+    copy.write_text(copy.read_text() + "\n# edited by hand\n")
+    (fam / "fp_unused.py").write_text("")
+    problems = vendor.sync(tmp_path / "modeling", check=True)
+    assert any("differs from" in p for p in problems) and any("not imported" in p for p in problems)
+    assert vendor.sync(tmp_path / "modeling") == [] and vendor.sync(tmp_path / "modeling", check=True) == []
+
+
+def _imports(path):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield 0, a.name
+        elif isinstance(node, ast.ImportFrom):
+            yield node.level, node.module or ""
+
+
+@pytest.mark.parametrize("path", sorted(CORE.glob("fp_*.py")), ids=lambda p: p.name)
+def test_core_files_import_only_stdlib_torch_and_siblings(path):
+    allowed_top = set(sys.stdlib_module_names) | {"torch"}
+    for level, name in _imports(path):
+        if level:
+            assert level == 1 and name.startswith("fp_") and "." not in name, f"{path.name}: from {'.' * level}{name}"
+        else:
+            assert name.split(".")[0] in allowed_top, f"{path.name} imports {name}"
+    assert path.read_text().startswith(f"# Source of truth: hf_fixedpoint/core/{path.name}.")
+
+
+def test_modeling_never_imports_hf_fixedpoint():
+    for path in (ROOT / "modeling").rglob("*.py"):
+        for level, name in _imports(path):
+            assert not name.startswith("hf_fixedpoint"), f"{path} imports {name}"
+            if path.name.startswith(("modeling_", "configuration_")):
+                # save_pretrained copies only flat sibling modules (transformers' dynamic_module_utils regex).
+                assert level in (0, 1) and (level == 0 or "." not in name), f"{path}: from {'.' * level}{name}"
+
+
+def test_model_types_are_unique_and_match_folders():
+    from transformers import CONFIG_MAPPING
+
+    from hf_fixedpoint.modeling import FAMILIES
+
+    types = [cfg.model_type for cfg, _ in FAMILIES]
+    assert len(types) == len(set(types))
+    for cfg, _ in FAMILIES:
+        assert (ROOT / "modeling" / cfg.model_type).is_dir()
+        assert CONFIG_MAPPING[cfg.model_type] is cfg
+
+
+def test_pyproject_lists_every_package():
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    listed = set(meta["tool"]["setuptools"]["packages"])
+    roots = {"hf_fixedpoint": ROOT / "hf_fixedpoint", "hf_fixedpoint.modeling": ROOT / "modeling",
+             "hf_fixedpoint.eval": ROOT / "eval"}
+    found = set()
+    for name, base in roots.items():
+        for init in base.rglob("__init__.py"):
+            rel = init.parent.relative_to(base).parts
+            found.add(".".join((name, *rel)))
+    assert found == listed
+
+
+def test_import_is_cheap_and_registers_families():
+    code = (
+        "import sys; import transformers; from transformers import PreTrainedModel; "
+        "before = set(sys.modules); import hf_fixedpoint; "
+        "heavy = ('accelerate', 'peft', 'lm_eval', 'evaluate', 'datasets'); "
+        "new = [m for m in heavy if m in sys.modules and m not in before]; "
+        "from transformers import AutoConfig; AutoConfig.for_model('deq_lm'); print(new)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_generic_top_level_names_are_not_installed(tmp_path):
+    out = subprocess.run([sys.executable, "-c", "import modeling"], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode != 0
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    assert "make test" in readme and "make demo" in readme
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
+    makefile = (ROOT / "Makefile").read_text()
+    assert "torch==2.13.0" in makefile and "\ntest:" in makefile and "\ndemo:" in makefile
