@@ -103,7 +103,10 @@ def test_spectral_radius_per_entry_batch_dims_2(product):
     """Per-token radii: entries are (B, T) and each token has its own Jacobian."""
     B, T, D = 2, 3, 6
     mats = torch.stack(
-        [nonsymmetric_matrix([s * e for e in NONSYM_EIGS], seed=i) for i, s in enumerate([0.3, 0.7, 1.0, 1.4, 2.0, 2.5])]
+        [
+            nonsymmetric_matrix([s * e for e in NONSYM_EIGS], seed=i)
+            for i, s in enumerate([0.3, 0.7, 1.0, 1.4, 2.0, 2.5])
+        ]
     ).reshape(B, T, D, D)
     z = torch.randn(B, T, D, dtype=DT)
     rho = spectral_radius(per_entry_map(mats), z, n_iter=100, product=product, batch_dims=2, generator=_gen(3))
