@@ -27,4 +27,4 @@ def _register():
 
 _register()
 
-__all__ = ["DEQLMConfig", "DEQLMForCausalLM", "DEQLMModel", "FAMILIES"]
+__all__ = ["FAMILIES", "DEQLMConfig", "DEQLMForCausalLM", "DEQLMModel"]

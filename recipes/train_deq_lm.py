@@ -2,7 +2,7 @@
 
     python -m recipes.train_deq_lm --output_dir runs/deq_lm_demo                 # one process
     accelerate launch -m recipes.train_deq_lm --output_dir runs/deq_lm_demo      # any accelerate set-up
-    ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 -m recipes.train_deq_lm ...  # 2-process CPU DDP
+    ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 -m recipes.train_deq_lm  # 2-process DDP
 
 The corpus is the docstrings of a fixed list of standard-library modules (offline, deterministic); a byte-level BPE
 tokenizer is trained on it with `tokenizers`. The model is solved with Anderson and trained with implicit gradients.
@@ -97,9 +97,10 @@ def main():
     train_ids, val_ids = ids[:split], ids[split:]
     accelerator.print(f"corpus: {len(text)} chars, {len(ids)} tokens, vocab {len(tokenizer)}")
 
-    config = DEQLMConfig(vocab_size=len(tokenizer), hidden_size=args.hidden_size, intermediate_size=4 * args.hidden_size,
-                         num_attention_heads=4, max_position_embeddings=max(256, args.seq_length),
-                         fp_solver=args.fp_solver, fp_backward=args.fp_backward, fp_max_iter=args.fp_max_iter, fp_tol=args.fp_tol,
+    config = DEQLMConfig(vocab_size=len(tokenizer), hidden_size=args.hidden_size,
+                         intermediate_size=4 * args.hidden_size, num_attention_heads=4,
+                         max_position_embeddings=max(256, args.seq_length), fp_solver=args.fp_solver,
+                         fp_backward=args.fp_backward, fp_max_iter=args.fp_max_iter, fp_tol=args.fp_tol,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)
     model = DEQLMForCausalLM(config)
@@ -123,7 +124,8 @@ def main():
         if step % args.log_every == 0 or step == args.max_steps:
             s = merge_stats([out.fp_stats])
             accelerator.print(f"step {step:4d} loss {out.loss.item():.3f} fp_nfe {s['fp_nfe']:.0f} "
-                              f"converged {s['fp_converged_fraction']:.2f} adjoint_nfe {s.get('fp_backward_nfe', 0):.0f} "
+                              f"converged {s['fp_converged_fraction']:.2f} "
+                              f"adjoint_nfe {s.get('fp_backward_nfe', 0):.0f} "
                               f"({time.time() - t0:.0f}s)")
 
     # Evaluation: perplexity after training, and with a single solver iteration instead of fp_max_iter.

@@ -3,10 +3,10 @@
 import ast
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ROOT / "hf_fixedpoint" / "core"

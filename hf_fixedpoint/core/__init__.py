@@ -13,15 +13,15 @@ from .fp_solvers import SOLVERS, solve
 from .fp_stats import FixedPointStats, FixedPointWarning, NonFiniteError, merge_stats
 
 __all__ = [
-    "ACTAccumulator",
     "BACKWARDS",
     "FP_DEFAULTS",
+    "SAMPLERS",
+    "SOLVERS",
+    "ACTAccumulator",
     "FixedPointStats",
     "FixedPointWarning",
     "LoopSampler",
     "NonFiniteError",
-    "SAMPLERS",
-    "SOLVERS",
     "fixed_point",
     "fixed_point_kwargs",
     "get_sampler",

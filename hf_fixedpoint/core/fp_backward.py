@@ -21,14 +21,14 @@ put in ``eval()`` mode) trains as expected.
 
 import inspect
 import warnings
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from .fp_registry import Registry, check_number
 from .fp_solvers import check_solve_args, solve, solver_kwargs_check
-from .fp_stats import FixedPointStats, FixedPointWarning
+from .fp_stats import FixedPointWarning
 
 BACKWARDS = Registry("backward mode")
 
@@ -64,9 +64,9 @@ class _ImplicitGrad(torch.autograd.Function):
             # A constant message, so Python's default filter shows it once per call site instead of every step;
             # the numbers are in stats.backward.
             warnings.warn(
-                f"implicit backward: the adjoint solve ({opts['solver']}) did not reach rel tol {opts['tol']:g} within "
-                f"{opts['max_iter']} steps for some samples; gradients are approximate (see stats.backward). Raise "
-                f"fp_backward_max_iter, use another fp_backward_solver, or regularize the Jacobian.",
+                f"implicit backward: the adjoint solve ({opts['solver']}) did not reach rel tol {opts['tol']:g} "
+                f"within {opts['max_iter']} steps for some samples; gradients are approximate (see stats.backward). "
+                f"Raise fp_backward_max_iter, use another fp_backward_solver, or regularize the Jacobian.",
                 FixedPointWarning,
                 stacklevel=2,
             )

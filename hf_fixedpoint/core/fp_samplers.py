@@ -117,4 +117,4 @@ def get_sampler(name: str, **kwargs) -> LoopSampler:
     return cls(**kwargs)
 
 
-__all__ = ["LoopSampler", "SAMPLERS", "get_sampler"]
+__all__ = ["SAMPLERS", "LoopSampler", "get_sampler"]

@@ -46,7 +46,9 @@ def check_fp_settings(settings: dict) -> None:
     if s["fp_eval_max_iter"] is not None:
         check_number(s["fp_eval_max_iter"], "fp_eval_max_iter", low=1, integer=True)
         if s["fp_min_iter"] > s["fp_eval_max_iter"]:
-            raise ValueError(f"fp_min_iter={s['fp_min_iter']} must not exceed fp_eval_max_iter={s['fp_eval_max_iter']}.")
+            raise ValueError(
+                f"fp_min_iter={s['fp_min_iter']} must not exceed fp_eval_max_iter={s['fp_eval_max_iter']}."
+            )
     solver_kwargs_check(s["fp_solver"], s["fp_solver_kwargs"], "fp_solver_kwargs")
     BACKWARDS.check(s["fp_backward"], "fp_backward")
     SOLVERS.check(s["fp_backward_solver"], "fp_backward_solver")

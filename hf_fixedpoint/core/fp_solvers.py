@@ -3,17 +3,18 @@
 # `python -m hf_fixedpoint.vendor`. Allowed imports: stdlib, torch, and `from .fp_<x> import ...`.
 """Forward fixed-point solvers: ``picard``, ``fpopt``, ``anderson`` and ``broyden``, and the loop they share.
 
-``solve(f, z0, ...)`` finds ``z* = f(z*)`` without building an autograd graph. Convergence is judged per *entry*: the
-first ``batch_dims`` dimensions of ``z`` index independent entries (samples by default; ``batch_dims=2`` on a
-``(B, T, D)`` state means per token, ``batch_dims=3`` on ``(B, H, T, d)`` means per head and token). An entry that meets
-the tolerance is frozen at its converged value while the others go on (selective update), so an entry's result does not
-depend on how long its batch-mates take. With ``compact=True`` the solver also drops finished *samples* from the working
-set, so ``f`` and the solver's own algebra run only on unfinished rows; this requires ``f`` to act on each sample
-independently (row ``i`` of its output depends only on row ``i`` of ``z`` and of the batch-sized tensors in ``args``).
+``solve(f, z0, ...)`` finds ``z* = f(z*)`` without building an autograd graph. Convergence is judged per *entry*:
+the first ``batch_dims`` dimensions of ``z`` index independent entries (samples by default; ``batch_dims=2`` on a
+``(B, T, D)`` state means per token, ``batch_dims=3`` on ``(B, H, T, d)`` means per head and token). An entry that
+meets the tolerance is frozen at its converged value while the others go on (selective update), so an entry's result
+does not depend on how long its batch-mates take. With ``compact=True`` the solver also drops finished *samples* from
+the working set, so ``f`` and the solver's own algebra run only on unfinished rows; this requires ``f`` to act on each
+sample independently (row ``i`` of its output depends only on row ``i`` of ``z`` and of the batch-sized tensors in
+``args``).
 
-Each solver is a small class registered in ``SOLVERS``: ``step(z, fz, gz, k)`` returns the next iterate from the current
-one, its image ``fz = f(z)`` and the residual ``gz = fz - z``; the per-entry state it keeps is a dict of tensors whose
-first dimension indexes entries, so the loop can drop finished rows from it.
+Each solver is a small class registered in ``SOLVERS``: ``step(z, fz, gz, k)`` returns the next iterate from the
+current one, its image ``fz = f(z)`` and the residual ``gz = fz - z``; the per-entry state it keeps is a dict of
+tensors whose first dimension indexes entries, so the loop can drop finished rows from it.
 """
 
 import inspect
@@ -190,8 +191,8 @@ class Broyden(_Solver):
     """Limited-memory "good" Broyden method on ``g(z) = f(z) - z``.
 
     The inverse Jacobian of ``g`` is kept as ``-I + U V^T`` with the last ``memory`` rank-one updates (a ring buffer),
-    so memory is ``2 * memory`` states rather than torchdeq's ``2 * max_iter``. Updates with a vanishing denominator are
-    skipped for that entry.
+    so memory is ``2 * memory`` states rather than torchdeq's ``2 * max_iter``. Updates with a vanishing denominator
+    are skipped for that entry.
 
     Args:
         memory: number of rank-one updates kept (>= 1).
@@ -463,4 +464,4 @@ def solve(
         return out.view(shape), stats
 
 
-__all__ = ["SOLVERS", "NORMS", "RETURN_MODES", "STOP_MODES", "check_solve_args", "solve", "solver_kwargs_check"]
+__all__ = ["NORMS", "RETURN_MODES", "SOLVERS", "STOP_MODES", "check_solve_args", "solve", "solver_kwargs_check"]

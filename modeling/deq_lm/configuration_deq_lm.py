@@ -47,7 +47,9 @@ class DEQLMConfig(PretrainedConfig):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
         if hidden_size % num_attention_heads:
-            raise ValueError(f"hidden_size={hidden_size} must be divisible by num_attention_heads={num_attention_heads}.")
+            raise ValueError(
+                f"hidden_size={hidden_size} must be divisible by num_attention_heads={num_attention_heads}."
+            )
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size

@@ -64,7 +64,8 @@ class Registry:
         """Validate ``name`` as the value of ``argument`` (used by configs); returns it unchanged."""
         if name not in self._items:
             raise ValueError(
-                f"{argument}={name!r} is not a known {self.kind}. Allowed values: {', '.join(map(repr, self.names()))}."
+                f"{argument}={name!r} is not a known {self.kind}. "
+                f"Allowed values: {', '.join(map(repr, self.names()))}."
             )
         return name
 

@@ -116,7 +116,9 @@ class DEQLMModel(DEQLMPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)
         B, T, _ = inputs_embeds.shape
         if T > self.config.max_position_embeddings:
-            raise ValueError(f"sequence length {T} exceeds max_position_embeddings={self.config.max_position_embeddings}.")
+            raise ValueError(
+                f"sequence length {T} exceeds max_position_embeddings={self.config.max_position_embeddings}."
+            )
         x = inputs_embeds + self.embed_positions(torch.arange(T, device=inputs_embeds.device))
         # (B, 1, T, T) bool mask: causal, and padded keys masked out (a fully padded row keeps its diagonal).
         mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()[None, None].expand(B, 1, T, T)
