@@ -7,11 +7,11 @@ transformers only; accelerate, peft, lm-eval and evaluate are imported by the mo
 
 from . import modeling  # noqa: F401  (registers the families with AutoConfig / AutoModel*)
 from .core import (
-    ACTAccumulator,
     BACKWARDS,
     FP_DEFAULTS,
     SAMPLERS,
     SOLVERS,
+    ACTAccumulator,
     FixedPointStats,
     FixedPointWarning,
     LoopSampler,
@@ -28,15 +28,15 @@ from .core import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "ACTAccumulator",
     "BACKWARDS",
     "FP_DEFAULTS",
+    "SAMPLERS",
+    "SOLVERS",
+    "ACTAccumulator",
     "FixedPointStats",
     "FixedPointWarning",
     "LoopSampler",
     "NonFiniteError",
-    "SAMPLERS",
-    "SOLVERS",
     "__version__",
     "fixed_point",
     "get_sampler",
