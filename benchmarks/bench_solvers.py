@@ -77,6 +77,24 @@ T5_FP64 = 1e-10
 SUMMARY: List[tuple] = []
 
 
+def _loadavg() -> str:
+    try:
+        return "/".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def _torchdeq_version() -> str:
+    if torchdeq is None:
+        return "not installed"
+    try:
+        from importlib.metadata import version
+
+        return version("torchdeq")
+    except Exception:
+        return "installed (version unknown)"
+
+
 def record(target: str, what: str, value: Optional[float], op: str, threshold: float, fmt: str = "{:.3g}") -> None:
     """Print one PASS/FAIL line and keep it for the summary table."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
@@ -306,11 +324,16 @@ def section_hard(p: Problem, zref: torch.Tensor, reps: int):
         for s in ("fixed_point_iter", "anderson", "broyden"):
             runs[f"torchdeq {s}"] = lambda f_, s=s: td_solve(s)(f_, z0)
     runs["bare loop (picard)"] = lambda f_: bare_loop(f_, z0)
-    nfe, err, resid = {}, {}, {}
-    for k, r in runs.items():
+    nfe, err, resid, failed = {}, {}, {}, {}
+    for k, r in list(runs.items()):
         cf = CountingF(f)
-        with torch.no_grad():
-            out = r(cf)
+        try:
+            with torch.no_grad():
+                out = r(cf)
+        except Exception as exc:  # a solver failure is a result, not a crash of the benchmark
+            failed[k] = f"{type(exc).__name__} after {cf.n} f-evaluations: {str(exc)[:150]}"
+            del runs[k]
+            continue
         nfe[k] = cf.n
         z = out[0]
         fz = f(z)
@@ -321,6 +344,12 @@ def section_hard(p: Problem, zref: torch.Tensor, reps: int):
           f"{'max rel err':>11s}")
     for k in runs:
         print(f"    {k:26s} {nfe[k]:4d} {fmt_ms(t[k])} {t[k][0] * 1e3 / nfe[k]:7.1f} {resid[k]:11.2e} {err[k]:11.2e}")
+    for k, msg in failed.items():
+        print(f"    {k:26s} FAILED: {msg}")
+    if "ours anderson" not in runs:
+        record("2 hard NFE", "c ours anderson NFE", None, "<=", T2_NFE)
+        record("2 hard time", "c ours anderson / torchdeq fastest", None, "<=", T2_TIME)
+        return
     record("2 hard NFE", "c ours anderson NFE", float(nfe["ours anderson"]), "<=", T2_NFE, "{:.0f}")
     if torchdeq is not None:
         td = {k: t[k] for k in runs if k.startswith("torchdeq")}
@@ -331,7 +360,8 @@ def section_hard(p: Problem, zref: torch.Tensor, reps: int):
               "(min), "
               f"{t['ours anderson'][1] / td[fastest_med][1]:.3f}x (median vs fastest median, {fastest_med})")
         for s in ("broyden", "picard"):
-            print(f"    info: ours {s} / torchdeq fastest = {t[f'ours {s}'][0] / td[fastest][0]:.3f}x (min)")
+            if f"ours {s}" in runs:
+                print(f"    info: ours {s} / torchdeq fastest = {t[f'ours {s}'][0] / td[fastest][0]:.3f}x (min)")
         record("2 hard time", f"c ours anderson / torchdeq fastest ({fastest.split()[1]}) (min)", ratio, "<=",
                T2_TIME, "{:.3f}x")
     else:
@@ -451,6 +481,13 @@ def mem_child(cfg: dict) -> dict:
     x, c = p.x.float(), p.c.float()
 
     def train_step():
+        if cfg["backward"] == "forward only":  # no-grad solve only: the solver's own working set
+            with torch.no_grad():
+                inj = x @ U.T
+                z, st = solve(lambda z: torch.tanh(z @ W.T + inj), torch.zeros(MEM_B, MEM_D), solver="picard",
+                              tol=TOL, min_iter=cfg["iters"], max_iter=cfg["iters"])
+                (c * z).sum()
+            return st
         inj = x @ U.T
         f = lambda z: torch.tanh(z @ W.T + inj)
         z, st = fixed_point(f, torch.zeros(MEM_B, MEM_D), solver="picard", tol=TOL, min_iter=cfg["iters"],
@@ -491,25 +528,39 @@ def section_memory(repeats: int):
     print(f"\n## 4. Peak training memory (forward + backward), B={MEM_B}, D={MEM_D}, fp32, forward picard forced to N "
           f"iterations (min_iter=max_iter=N); case (b) matrices; one fresh subprocess per configuration, peak RSS "
           f"increment over the post-warm-up RSS; min over {repeats} subprocess(es); 1 state = {state_kib:.0f} KiB")
-    configs = []
-    for bw, bkw in (("ift", {"max_iter": 64}), ("phantom", {}), ("one_step", {}), ("bptt", {"steps": None})):
-        for n in (8, 64):
-            configs.append({"backward": bw, "backward_kwargs": bkw, "iters": n})
-    jobs = [c for c in configs for _ in range(repeats)]
+    rows = {  # label: (backward, backward_kwargs)
+        "ift": ("ift", {"max_iter": 64}),
+        "phantom": ("phantom", {}),
+        "one_step": ("one_step", {}),
+        "bptt": ("bptt", {"steps": None}),
+        "info: ift, picard adjoint": ("ift", {"max_iter": 64, "solver": "picard"}),
+        "info: no-grad forward only": ("forward only", {}),
+    }
+    jobs = [(label, {"backward": bw, "backward_kwargs": bkw, "iters": n})
+            for label, (bw, bkw) in rows.items() for n in (8, 64) for _ in range(repeats)]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(_run_mem_child, jobs))
+        results = list(pool.map(lambda job: _run_mem_child(job[1]), jobs))
     inc = {}
-    for cfg, res in zip(jobs, results):
-        key = (cfg["backward"], cfg["iters"])
+    for (label, cfg), res in zip(jobs, results):
+        key = (label, cfg["iters"])
         inc[key] = min(inc.get(key, math.inf), res["inc_kib"])
     print(f"    measured with: {results[0]['method']}; NFE check: {sorted({(r['nfe']) for r in results})}")
-    print(f"    {'backward':10s} {'N=8 MiB':>8s} {'(states)':>8s} {'N=64 MiB':>9s} {'(states)':>8s} {'64/8':>6s}")
-    for bw in ("ift", "phantom", "one_step", "bptt"):
-        a, b = inc[(bw, 8)], inc[(bw, 64)]
-        print(f"    {bw:10s} {a / 1024:8.2f} {a / state_kib:8.1f} {b / 1024:9.2f} {b / state_kib:8.1f} "
+    print(f"    {'backward':28s} {'N=8 MiB':>8s} {'(states)':>8s} {'N=64 MiB':>9s} {'(states)':>8s} {'64/8':>6s}")
+    for label in rows:
+        a, b = inc[(label, 8)], inc[(label, 64)]
+        print(f"    {label:28s} {a / 1024:8.2f} {a / state_kib:8.1f} {b / 1024:9.2f} {b / state_kib:8.1f} "
               f"{b / max(a, 1):6.2f}")
-    print("    (ift uses backward_kwargs={'max_iter': 64} at both N so that only the forward length differs; its "
-          "adjoint solver is the default Anderson)")
+    slope = (inc[("bptt", 64)] - inc[("bptt", 8)]) / 56 / state_kib
+    print(f"    bptt grows by {slope:.2f} states per unrolled step; ift/phantom/one_step use "
+          "backward_kwargs={'max_iter': 64} (ift) so that only the forward length differs; the ift adjoint solver is "
+          "the default (Anderson) unless noted")
+    fwd = inc[("info: no-grad forward only", 64)]
+    ba = {label: inc[(label, 64)] - fwd for label in ("bptt", "ift", "info: ift, picard adjoint")}
+    print(f"    info (not a target): backward-attributable memory = peak - no-grad forward peak at N=64: bptt "
+          f"{ba['bptt'] / state_kib:.1f}, ift {ba['ift'] / state_kib:.1f}, ift with picard adjoint "
+          f"{ba['info: ift, picard adjoint'] / state_kib:.1f} states -> bptt/ift "
+          f"{ba['bptt'] / max(ba['ift'], 1):.2f}x, "
+          f"bptt/ift(picard adjoint) {ba['bptt'] / max(ba['info: ift, picard adjoint'], 1):.2f}x")
     for bw in ("ift", "phantom", "one_step"):
         record("4 memory", f"{bw} peak(64 it) / peak(8 it)", inc[(bw, 64)] / max(inc[(bw, 8)], 1), "<=", T4_FLAT,
                "{:.2f}x")
@@ -611,8 +662,9 @@ def main(argv=None):
     reps_slow = 5 if a.quick else 15  # up to ~100 ms per call (torchdeq anderson on case c)
     mem_repeats = 1 if a.quick else 2
     print(f"# bench_solvers{' --quick' if a.quick else ''}: hf_fixedpoint {hf_fixedpoint.__version__}, torch "
-          f"{torch.__version__}, torchdeq {torchdeq.__version__ if torchdeq is not None else 'not installed'}, "
-          f"python {platform.python_version()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}")
+          f"{torch.__version__}, torchdeq {_torchdeq_version()}, "
+          f"python {platform.python_version()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
+          f"load average {_loadavg()}")
     if torchdeq is None:
         print(f"# note: torchdeq is not importable ({TORCHDEQ_ERROR}); install it with "
               "`pip install -c constraints.txt torchdeq==0.1.0` for the comparison rows. They are skipped.")
@@ -636,7 +688,9 @@ def main(argv=None):
     n_fail = sum(r[4] == "FAIL" for r in SUMMARY)
     n_pass = sum(r[4] == "PASS" for r in SUMMARY)
     n_skip = sum(r[4] == "SKIP" for r in SUMMARY)
-    print(f"\n  {n_pass} PASS, {n_fail} FAIL, {n_skip} SKIP; total wall time {time.perf_counter() - t_start:.0f} s")
+    print(f"\n  {n_pass} PASS, {n_fail} FAIL, {n_skip} SKIP; total wall time {time.perf_counter() - t_start:.0f} s; "
+          f"load average at the end {_loadavg()} (other processes on the machine inflate times; ratios are "
+          "interleaved)")
     return 0
 
 
