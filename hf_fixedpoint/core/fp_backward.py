@@ -19,6 +19,7 @@ The returned value is always the solver's ``z*``; the mode changes gradients onl
 put in ``eval()`` mode) trains as expected.
 """
 
+import functools
 import inspect
 import warnings
 from typing import Callable, Optional, Sequence
@@ -57,7 +58,8 @@ class _ImplicitGrad(torch.autograd.Function):
 
         opts = ctx.options
         u, bstats = solve(adjoint_map, grad, solver=opts["solver"], tol=opts["tol"], stop_mode="rel",
-                          max_iter=opts["max_iter"], solver_kwargs=opts["solver_kwargs"], check=False)
+                          max_iter=opts["max_iter"], solver_kwargs=opts["solver_kwargs"], return_mode="last",
+                          check=False)
         if ctx.stats is not None:
             ctx.stats.backward = bstats
         if not bool(bstats.converged.all()):
@@ -124,12 +126,19 @@ def bptt(f, z0, z_star, stats, *, steps=None, damping=1.0, _forward=None):
     return _straight_through(z_star, _picard_unroll(f, z_star, steps, damping))
 
 
+@functools.lru_cache(maxsize=None)
+def _keyword_options(fn) -> list:
+    return [p.name for p in inspect.signature(fn).parameters.values()
+            if p.kind == p.KEYWORD_ONLY and not p.name.startswith("_")]
+
+
 def backward_kwargs_check(backward: str, kwargs: Optional[dict], argument: str = "backward_kwargs") -> dict:
     """Validate the options of a backward mode (errors list the allowed keys and values)."""
     fn = BACKWARDS.get(backward)
     kwargs = dict(kwargs or {})
-    allowed = [p.name for p in inspect.signature(fn).parameters.values()
-               if p.kind == p.KEYWORD_ONLY and not p.name.startswith("_")]
+    if not kwargs:
+        return kwargs
+    allowed = _keyword_options(fn)
     unknown = sorted(set(kwargs) - set(allowed))
     if unknown:
         raise ValueError(f"{argument} has unknown keys {unknown} for backward {backward!r}. "

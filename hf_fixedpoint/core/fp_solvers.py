@@ -17,6 +17,7 @@ current one, its image ``fz = f(z)`` and the residual ``gz = fz - z``; the per-e
 tensors whose first dimension indexes entries, so the loop can drop finished rows from it.
 """
 
+import functools
 import inspect
 import math
 from typing import Callable, Optional, Sequence
@@ -159,40 +160,31 @@ class Anderson(_Solver):
         if mm == 1:
             return z + self.beta * gz
         G = st["G"][:, :mm]
-        row = torch.bmm(G.to(st["H"].dtype), gz.to(st["H"].dtype)[:, :, None])[:, :, 0]  # (n, mm) new Gram row
         H = st["H"]
+        row = torch.linalg.vecdot(G, gz[:, None, :]).to(H.dtype)  # (n, mm): new row of the Gram matrix
         H[:, slot, :mm] = row
         H[:, :mm, slot] = row
         Hm = H[:, :mm, :mm]
-        n = Hm.shape[0]
-        # Bordered system [[0, 1^T], [1, H + ridge I]] [mu; a] = [1; 0]
-        scale = torch.diagonal(Hm, dim1=1, dim2=2).mean(1)
-        A = Hm.new_zeros(n, mm + 1, mm + 1)
-        A[:, 0, 1:] = 1
-        A[:, 1:, 0] = 1
-        A[:, 1:, 1:] = Hm + (self.lam * scale + torch.finfo(Hm.dtype).tiny)[:, None, None] * torch.eye(
-            mm, dtype=Hm.dtype, device=Hm.device
-        )
-        rhs = Hm.new_zeros(n, mm + 1)
-        rhs[:, 0] = 1
-        sol, info = torch.linalg.solve_ex(A, rhs)
-        alpha = sol[:, 1:]
-        ok = (info == 0) & torch.isfinite(alpha).all(1)
-        last = torch.zeros_like(alpha)
-        last[:, slot] = 1
-        alpha = torch.where(ok[:, None], alpha, last).to(z.dtype)[:, None, :]  # (n, 1, mm)
-        X = st["X"][:, :mm]
-        mixed_x = torch.bmm(alpha, X)[:, 0]
-        mixed_g = torch.bmm(alpha, st["G"][:, :mm])[:, 0]
-        return mixed_x + self.beta * mixed_g  # beta*aF + (1-beta)*aX with F = X + G
+        # min ||sum a_i g_i||^2 + ridge ||a||^2 s.t. sum a_i = 1  =>  a = y / sum(y) with (H + ridge I) y = 1.
+        diag = torch.diagonal(Hm, dim1=1, dim2=2)
+        ridge = self.lam * diag.mean(1, keepdim=True) + torch.finfo(Hm.dtype).tiny
+        y, info = torch.linalg.solve_ex(Hm + torch.diag_embed(ridge.expand_as(diag)), torch.ones_like(row))
+        alpha = y / y.sum(1, keepdim=True)
+        ok = (info == 0) & torch.isfinite(alpha.sum(1))  # singular system: a plain step for that entry
+        last = (torch.arange(mm, device=z.device) == slot).to(alpha.dtype)
+        alpha = torch.where(ok[:, None], alpha, last).to(z.dtype)[:, None, :].contiguous()  # (n, 1, mm)
+        # beta * sum a_i f(z_i) + (1 - beta) * sum a_i z_i, with f(z_i) = z_i + g_i
+        return torch.bmm(alpha, st["X"][:, :mm] + self.beta * G)[:, 0]
+
 
 @SOLVERS.register("broyden")
 class Broyden(_Solver):
     """Limited-memory "good" Broyden method on ``g(z) = f(z) - z``.
 
-    The inverse Jacobian of ``g`` is kept as ``-I + U V^T`` with the last ``memory`` rank-one updates (a ring buffer),
-    so memory is ``2 * memory`` states rather than torchdeq's ``2 * max_iter``. Updates with a vanishing denominator
-    are skipped for that entry.
+    The inverse Jacobian of ``g`` is kept as ``-I + U V^T`` with at most ``memory`` rank-one updates, so memory is
+    ``2 * memory`` states rather than torchdeq's ``2 * max_iter``. When the buffer is full the approximation restarts
+    from ``-I`` (dropping only the oldest update would leave later updates inconsistent and diverges on hard cases).
+    Updates with a vanishing denominator are skipped for that entry.
 
     Args:
         memory: number of rank-one updates kept (>= 1).
@@ -232,6 +224,9 @@ class Broyden(_Solver):
             u = torch.where(ok, (dx - self._matvec(dg)) / torch.where(ok, den, torch.ones_like(den)), 0.0)
             vT = torch.where(ok, vT, 0.0)
             slot = (self.count - 1) % self.memory
+            if slot == 0 and self.count > 1:  # buffer full: restart from -I
+                st["U"].zero_()
+                st["VT"].zero_()
             st["U"][:, :, slot] = u
             st["VT"][:, slot] = vT
         self.count += 1
@@ -240,11 +235,18 @@ class Broyden(_Solver):
         return z - self._matvec(gz)
 
 
+@functools.lru_cache(maxsize=None)
+def _init_parameters(cls) -> tuple:
+    return tuple(p for p in inspect.signature(cls.__init__).parameters if p != "self")
+
+
 def solver_kwargs_check(solver: str, kwargs: Optional[dict], argument: str = "solver_kwargs") -> dict:
     """Validate extra keyword arguments of ``solver`` against its signature (errors list the allowed names)."""
     cls = SOLVERS.get(solver)
     kwargs = dict(kwargs or {})
-    allowed = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    if not kwargs:
+        return kwargs
+    allowed = list(_init_parameters(cls))
     unknown = sorted(set(kwargs) - set(allowed))
     if unknown:
         raise ValueError(
@@ -339,18 +341,18 @@ def solve(
                                                      stop_mode)
     gps = G // B  # entries per sample
     d = z0.numel() // G
-    args = tuple(args)
+    track_best = return_mode == "best"
+    observe = getattr(algo, "observe", None)
 
     with torch.no_grad():
         z = z0.detach().reshape(G, d)
-        out = torch.empty_like(z)
-        out_res = z.new_zeros(G)
-        nstep = torch.zeros(G, dtype=torch.long, device=z.device)
-        converged = torch.zeros(G, dtype=torch.bool, device=z.device)
-        gidx = torch.arange(G, device=z.device)  # working row -> entry
-        wshape, wargs, Bw = shape, args, B
-        active = None  # None: every working row is active
+        # Working rows: every entry, or fewer once `compact` drops finished samples. `done` marks rows that converged
+        # or were halted; their results sit in out/out_res/nstep/conv and their state is frozen at `out`.
+        done = conv = out = out_res = nstep = None
         best = best_res = None
+        gidx = None  # working row -> entry; None while the working set is every entry
+        results = None  # (out, res, nstep, conv) over all entries, once compaction drops rows
+        wshape, wargs, Bw = shape, tuple(args), B
         trace = [] if track_trace else None
         algo.init(z)
         k = 0
@@ -359,82 +361,87 @@ def solve(
             if fz.shape != wshape:
                 raise ValueError(f"f returned shape {tuple(fz.shape)} for an input of shape {tuple(wshape)}; "
                                  "a fixed-point map must preserve the shape of its input.")
-            fz = fz.reshape(-1, d)
+            fz = fz.reshape(z.shape)
             gz = fz - z
             res = _residual(gz, fz, stop_mode, norm)
-            if hasattr(algo, "observe"):
-                algo.observe(res)
+            if observe is not None:
+                observe(res)
             if trace is not None:
                 row = z.new_full((G,), math.nan)
-                row[gidx] = res if active is None else torch.where(active, res, math.nan)
+                row[slice(None) if gidx is None else gidx] = res if done is None else res.masked_fill(done, math.nan)
                 trace.append(row)
-            if return_mode == "best":
-                if best is None:
-                    best, best_res = fz, res
-                else:
-                    better = res < best_res
-                    best_res = torch.where(better, res, best_res)
-                    best = torch.where(better[:, None], fz, best)
-            # One host sync per iteration: smallest residual among active rows (an event when < tol), the largest
-            # residual (NaN/Inf check) and whether the solver halted a row.
-            if active is None:
-                lo, hi = torch.aminmax(res)
-            else:
-                lo, hi = torch.where(active, res, math.inf).amin(), res.amax()
+            # One host sync per iteration: the smallest residual among open rows (NaN propagates, so it is also the
+            # NaN check). With best-iterate tracking a row whose residual did not improve is encoded as -1, so the
+            # full best-iterate update runs only in iterations where some row got worse.
+            key = res if done is None else res.masked_fill(done, math.inf)
+            tracked = track_best and best is not None
+            if tracked:
+                key = torch.where(res < best_res, key, -1.0)
             halted = algo.halted()
-            probe = [lo, hi] if halted is None else [lo, hi, halted.any().to(lo.dtype)]
-            vals = torch.stack(probe).tolist()
-            if not math.isfinite(vals[1]):
-                bad_rows = (~torch.isfinite(res)).nonzero()[:, 0]
-                bad = sorted({int(i) for i in (gidx[bad_rows] // gps).tolist()})
+            if halted is None:
+                lo, halt_any = key.amin().item(), 0.0
+            else:
+                lo, halt_any = torch.stack([key.amin(), halted.any().to(key.dtype)]).tolist()
+            if track_best:
+                if tracked and lo == -1.0:
+                    better = res < best_res
+                    best = torch.where(better[:, None], fz, best)
+                    best_res = torch.where(better, res, best_res)
+                    lo = (res if done is None else res.masked_fill(done, math.inf)).amin().item()
+                else:
+                    best, best_res = fz, res
+            if lo != lo:
+                bad_rows = (~torch.isfinite(res) if done is None else ~torch.isfinite(res) & ~done).nonzero()[:, 0]
+                ent = bad_rows if gidx is None else gidx[bad_rows]
+                bad = sorted({int(i) for i in (ent // gps).tolist()})
                 raise NonFiniteError(
                     f"fixed-point solve ({solver}) produced NaN/Inf at iteration {k} for samples {bad[:20]}"
                     f"{' ...' if len(bad) > 20 else ''} (of {B}). Lower the learning rate, add damping or a stability "
                     f"regularizer, or check the inputs."
                 )
-            event = (vals[0] < tol and k >= min_iter) or (halted is not None and vals[2] > 0)
+            event = (lo < tol and k >= min_iter) or halt_any > 0
             if event:
-                act = torch.ones_like(res, dtype=torch.bool) if active is None else active
-                newly_conv = act & (res < tol) if k >= min_iter else torch.zeros_like(act)
-                newly_halt = (act & halted & ~newly_conv) if halted is not None else torch.zeros_like(act)
-                idx = newly_conv.nonzero()[:, 0]
-                g = gidx[idx]
-                converged[g] = True
-                nstep[g] = k
-                out[g] = fz[idx]
-                out_res[g] = res[idx]
-                idx_h = newly_halt.nonzero()[:, 0]
-                if idx_h.numel():
-                    g = gidx[idx_h]
-                    nstep[g] = k
-                    out[g] = (best if best is not None else fz)[idx_h]
-                    out_res[g] = (best_res if best_res is not None else res)[idx_h]
-                still = act & ~newly_conv & ~newly_halt
-                keep = torch.where(newly_conv[:, None], fz, z)  # converged rows freeze at f(z)
-            else:
-                still = active
-            n_still = int(still.sum()) if event else None
-            if event and n_still == 0:
-                active = still
-                break
-            if event and n_still <= stop_fraction * G:  # the fraction counts every entry, finished or not
-                active = still
-                break
+                open_rows = torch.ones_like(res, dtype=torch.bool) if done is None else ~done
+                newly = open_rows & (res < tol) if k >= min_iter else torch.zeros_like(open_rows)
+                if done is None:
+                    done, conv, out, out_res = newly, newly, fz, res
+                    nstep = torch.zeros(res.shape, dtype=torch.long, device=res.device)
+                else:
+                    out = torch.where(newly[:, None], fz, out)
+                    out_res = torch.where(newly, res, out_res)
+                    conv, done = conv | newly, done | newly
+                nstep = torch.where(newly, k, nstep)
+                if halt_any > 0:
+                    newly_halted = halted & open_rows & ~newly
+                    src, src_res = (best, best_res) if track_best else (fz, res)
+                    out = torch.where(newly_halted[:, None], src, out)
+                    out_res = torch.where(newly_halted, src_res, out_res)
+                    nstep = torch.where(newly_halted, k, nstep)
+                    done = done | newly_halted
+                n_open = done.numel() - int(done.sum())
+                if n_open <= stop_fraction * G:  # the fraction counts every entry, finished or not
+                    break
             if k == max_iter:
-                active = still
                 break
             z_next = algo.step(z, fz, gz, k)
-            if still is not None:
-                z_next = torch.where(still[:, None], z_next, keep if event else z)
-                if event:
-                    active = still
-            z = z_next
+            z = z_next if done is None else torch.where(done[:, None], out, z_next)
             if event and compact:
-                sample_active = still.view(Bw, gps).any(1)
-                if not bool(sample_active.all()):
-                    keep_s = sample_active.nonzero()[:, 0]
+                keep_s = (~done).view(Bw, gps).any(1)
+                if not bool(keep_s.all()):
+                    keep_s = keep_s.nonzero()[:, 0]
                     rows = (keep_s[:, None] * gps + torch.arange(gps, device=z.device)).reshape(-1)
-                    z, active, gidx = z[rows], active[rows], gidx[rows]
+                    if gidx is None:
+                        gidx = torch.arange(G, device=z.device)
+                        results = (z.new_empty(G, d), z.new_empty(G),
+                                   torch.zeros(G, dtype=torch.long, device=z.device),
+                                   torch.zeros(G, dtype=torch.bool, device=z.device))
+                    gone = torch.ones_like(done)
+                    gone[rows] = False
+                    gone = gone.nonzero()[:, 0]
+                    for buf, val in zip(results, (out, out_res, nstep, conv)):
+                        buf[gidx[gone]] = val[gone]
+                    z, done, conv, out, out_res, nstep, gidx = (
+                        t[rows] for t in (z, done, conv, out, out_res, nstep, gidx))
                     if best is not None:
                         best, best_res = best[rows], best_res[rows]
                     algo.select(rows)
@@ -442,19 +449,24 @@ def solve(
                                   for a in wargs)
                     Bw = keep_s.numel()
                     wshape = (Bw,) + tuple(shape[1:])
-        # Rows still active when the loop ended did not converge.
-        rest = torch.ones_like(gidx, dtype=torch.bool) if active is None else active
-        idx = rest.nonzero()[:, 0]
-        if idx.numel():
-            g = gidx[idx]
-            nstep[g] = k
-            src, src_res = (best, best_res) if return_mode == "best" else (fz, res)
-            out[g] = src[idx]
-            out_res[g] = src_res[idx]
+        # Rows still open when the loop ended did not converge: they return the best (or last) iterate's image.
+        src, src_res = (best, best_res) if track_best else (fz, res)
+        if done is None:
+            out, out_res = src, src_res
+            nstep = torch.full(res.shape, k, dtype=torch.long, device=res.device)
+            conv = torch.zeros(res.shape, dtype=torch.bool, device=res.device)
+        elif not bool(done.all()):
+            out = torch.where(done[:, None], out, src)
+            out_res = torch.where(done, out_res, src_res)
+            nstep = torch.where(done, nstep, k)
+        if gidx is not None:
+            for buf, val in zip(results, (out, out_res, nstep, conv)):
+                buf[gidx] = val
+            out, out_res, nstep, conv = results
         stats = FixedPointStats(
             nstep=nstep.view(entry_shape),
             residual=out_res.view(entry_shape),
-            converged=converged.view(entry_shape),
+            converged=conv.view(entry_shape),
             nfe=k,
             solver=solver,
             tol=tol,

@@ -186,3 +186,12 @@ def test_property_contractive_maps_converge(seed, norm, solver, B, D):
     z, s = solve(f, torch.zeros(B, D, dtype=torch.float64), solver=solver, tol=1e-10, max_iter=3000)
     assert s.converged.all()
     assert float((f(z) - z).norm(dim=1).max()) <= 1e-9 * max(1.0, float(z.norm(dim=1).max()))
+
+
+@pytest.mark.parametrize("memory", [3, 10])
+def test_broyden_restarts_when_memory_is_full(memory):
+    # Dropping only the oldest rank-one update diverged to NaN on this hard case; restarting from -I converges.
+    f, W, x = tanh_problem(B=8, D=64, norm=0.99, symmetric=True, inj=0.1, dtype=torch.float32)
+    z, s = solve(f, torch.zeros(8, 64), args=(x.detach(),), solver="broyden", tol=1e-4, max_iter=500,
+                 solver_kwargs={"memory": memory})
+    assert s.converged.all() and s.nfe < 200
