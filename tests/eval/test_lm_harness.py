@@ -46,9 +46,9 @@ def _tokenizer():
 
 
 def _config(tok, config_class=DEQLMConfig):
-    # initializer_range=0.05: the Anderson solve needs ~27 iterations, so the iteration cap changes the logits.
+    # initializer_range=0.15: the solve needs many iterations and the logits depend on z*, so the cap changes scores.
     return config_class(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                        max_position_embeddings=256, fp_max_iter=30, initializer_range=0.05,
+                        max_position_embeddings=256, fp_max_iter=30, initializer_range=0.15,
                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
 
 
@@ -116,7 +116,7 @@ def test_fp_max_iter_changes_perplexity(model_dir, tmp_path, monkeypatch):
     for metric in ("bits_per_byte,none", "byte_perplexity,none", "word_perplexity,none"):
         one, thirty = scores[1][metric], scores[30][metric]
         assert one == one and thirty == thirty  # not NaN
-        assert abs(one - thirty) > 5e-5 * abs(thirty), (metric, one, thirty)
+        assert abs(one - thirty) > 1e-3 * abs(thirty), (metric, one, thirty)
 
 
 def test_unknown_fp_knob_raises_with_valid_keys(model_dir):
