@@ -7,6 +7,8 @@ Each vendored copy of a core file owns its registry: a name registered at run ti
 process only. A name stored in a saved config must be one that ships in the core files.
 """
 
+import functools
+import inspect
 from typing import Dict, Iterator, TypeVar
 
 T = TypeVar("T")
@@ -90,4 +92,23 @@ def check_number(value, argument: str, *, low=None, high=None, low_open=False, h
         raise ValueError(f"{argument}={value!r} is out of range; allowed values lie in {interval}.")
 
 
-__all__ = ["Registry", "check_choice", "check_number"]
+@functools.lru_cache(maxsize=None)
+def keyword_options(fn, keyword_only: bool = False) -> tuple:
+    """Option names of a function (or of a class's ``__init__``): no ``self``, no ``_private`` names, no ``*args``."""
+    target = fn.__init__ if isinstance(fn, type) else fn
+    kinds = (inspect.Parameter.KEYWORD_ONLY,) if keyword_only else (
+        inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return tuple(p.name for p in inspect.signature(target).parameters.values()
+                 if p.kind in kinds and p.name != "self" and not p.name.startswith("_"))
+
+
+def check_keywords(kwargs: dict, allowed, argument: str, owner: str) -> None:
+    """Raise a ValueError naming ``argument`` if ``kwargs`` has keys outside ``allowed``."""
+    unknown = sorted(set(kwargs) - set(allowed))
+    if unknown:
+        raise ValueError(
+            f"{argument} has unknown keys {unknown} for {owner}. Allowed keys: {list(allowed) or 'none'}."
+        )
+
+
+__all__ = ["Registry", "check_choice", "check_keywords", "check_number", "keyword_options"]

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from .fp_registry import Registry, check_number
+from .fp_registry import Registry, check_keywords, check_number, keyword_options
 
 SAMPLERS = Registry("loop sampler")
 
@@ -107,13 +107,8 @@ class UniformLoops(LoopSampler):
 
 def get_sampler(name: str, **kwargs) -> LoopSampler:
     """Build a sampler by name; unknown names or keyword arguments raise a ValueError listing the valid ones."""
-    import inspect
-
     cls = SAMPLERS.get(name)
-    allowed = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
-    unknown = sorted(set(kwargs) - set(allowed))
-    if unknown:
-        raise ValueError(f"Unknown arguments {unknown} for loop sampler {name!r}. Allowed: {allowed}.")
+    check_keywords(kwargs, keyword_options(cls), "get_sampler", f"loop sampler {name!r}")
     return cls(**kwargs)
 
 

@@ -19,16 +19,14 @@ The returned value is always the solver's ``z*``; the mode changes gradients onl
 put in ``eval()`` mode) trains as expected.
 """
 
-import functools
-import inspect
 import warnings
 from typing import Callable, Optional, Sequence
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from .fp_registry import Registry, check_number
-from .fp_solvers import check_solve_args, solve, solver_kwargs_check
+from .fp_registry import Registry, check_keywords, check_number, keyword_options
+from .fp_solvers import solve, solver_kwargs_check
 from .fp_stats import FixedPointWarning
 
 BACKWARDS = Registry("backward mode")
@@ -126,23 +124,13 @@ def bptt(f, z0, z_star, stats, *, steps=None, damping=1.0, _forward=None):
     return _straight_through(z_star, _picard_unroll(f, z_star, steps, damping))
 
 
-@functools.lru_cache(maxsize=None)
-def _keyword_options(fn) -> list:
-    return [p.name for p in inspect.signature(fn).parameters.values()
-            if p.kind == p.KEYWORD_ONLY and not p.name.startswith("_")]
-
-
 def backward_kwargs_check(backward: str, kwargs: Optional[dict], argument: str = "backward_kwargs") -> dict:
     """Validate the options of a backward mode (errors list the allowed keys and values)."""
     fn = BACKWARDS.get(backward)
     kwargs = dict(kwargs or {})
     if not kwargs:
         return kwargs
-    allowed = _keyword_options(fn)
-    unknown = sorted(set(kwargs) - set(allowed))
-    if unknown:
-        raise ValueError(f"{argument} has unknown keys {unknown} for backward {backward!r}. "
-                         f"Allowed keys: {allowed or 'none'}.")
+    check_keywords(kwargs, keyword_options(fn, keyword_only=True), argument, f"backward {backward!r}")
     if "steps" in kwargs and not (backward == "bptt" and kwargs["steps"] is None):
         check_number(kwargs["steps"], f"{argument}['steps']", low=1, integer=True)
     if "damping" in kwargs:
@@ -201,11 +189,7 @@ def fixed_point(
         >>> z, stats = fixed_point(lambda z: torch.tanh(z @ W.T + x), torch.zeros(4, 8))
         >>> z.sum().backward()   # implicit gradient into x
     """
-    if check:
-        check_solve_args(solver=solver, tol=tol, stop_mode=stop_mode, norm=norm, max_iter=max_iter,
-                         min_iter=min_iter, batch_dims=batch_dims, stop_fraction=stop_fraction,
-                         return_mode=return_mode)
-        solver_kwargs = solver_kwargs_check(solver, solver_kwargs)
+    if check:  # solve() validates its own arguments
         backward_kwargs = backward_kwargs_check(backward, backward_kwargs)
     z_star, stats = solve(f, z0, args=args, solver=solver, tol=tol, stop_mode=stop_mode, norm=norm,
                           max_iter=max_iter, min_iter=min_iter, batch_dims=batch_dims, stop_fraction=stop_fraction,

@@ -12,7 +12,7 @@ the values. A forward pass calls ``fixed_point_kwargs(config, training, override
 
 import copy
 
-from .fp_backward import BACKWARDS, backward_kwargs_check
+from .fp_backward import BACKWARDS
 from .fp_registry import check_number
 from .fp_solvers import SOLVERS, check_solve_args, solver_kwargs_check
 
@@ -110,7 +110,6 @@ def fixed_point_kwargs(config, training: bool, overrides: dict = None) -> dict:
         bkw = {"steps": s["fp_backward_steps"], "damping": s["fp_backward_damping"]}
     else:
         bkw = {}
-    backward_kwargs_check(backward, bkw, "fp_backward options")
     return {
         "solver": s["fp_solver"],
         "solver_kwargs": s["fp_solver_kwargs"],

@@ -17,14 +17,12 @@ current one, its image ``fz = f(z)`` and the residual ``gz = fz - z``; the per-e
 tensors whose first dimension indexes entries, so the loop can drop finished rows from it.
 """
 
-import functools
-import inspect
 import math
 from typing import Callable, Optional, Sequence
 
 import torch
 
-from .fp_registry import Registry, check_choice, check_number
+from .fp_registry import Registry, check_choice, check_keywords, check_number, keyword_options
 from .fp_stats import FixedPointStats, NonFiniteError
 
 SOLVERS = Registry("solver")
@@ -235,23 +233,13 @@ class Broyden(_Solver):
         return z - self._matvec(gz)
 
 
-@functools.lru_cache(maxsize=None)
-def _init_parameters(cls) -> tuple:
-    return tuple(p for p in inspect.signature(cls.__init__).parameters if p != "self")
-
-
 def solver_kwargs_check(solver: str, kwargs: Optional[dict], argument: str = "solver_kwargs") -> dict:
     """Validate extra keyword arguments of ``solver`` against its signature (errors list the allowed names)."""
     cls = SOLVERS.get(solver)
     kwargs = dict(kwargs or {})
     if not kwargs:
         return kwargs
-    allowed = list(_init_parameters(cls))
-    unknown = sorted(set(kwargs) - set(allowed))
-    if unknown:
-        raise ValueError(
-            f"{argument} has unknown keys {unknown} for solver {solver!r}. Allowed keys: {allowed or 'none'}."
-        )
+    check_keywords(kwargs, keyword_options(cls), argument, f"solver {solver!r}")
     cls(**kwargs)  # range checks
     return kwargs
 
