@@ -33,7 +33,7 @@ Runtime knobs
 
 * any ``fp_*`` key, e.g. ``fp_max_iter=8``, ``fp_tol=1e-3``, ``fp_solver=picard``. The keys are checked against
   the ``fp_*`` settings of the model's config (an unknown key is a ``ValueError`` that lists the valid ones) and the
-  values by the library's own rules, before any weights are loaded. They reach every forward and ``generate`` call
+  values by the library's own rules, right after loading. They reach every forward and ``generate`` call
   as ``fp_overrides={...}``; the model's ``forward`` must have an ``fp_overrides`` parameter.
 * any other key that is a named parameter of the model class's ``forward`` (e.g. ``num_loops`` for looped families).
   It is passed by name to every forward and ``generate`` call.
@@ -158,52 +158,19 @@ class FixedPointLM(HFLM):
             raise ValueError(f"{name}.forward has no fp_overrides parameter, so the knobs "
                              f"{sorted(self.fp_overrides)} cannot be applied per call.")
 
-    def _resolve_model_class(self, pretrained: str, trust_remote_code: bool, revision, subfolder: str):
-        """The class ``AUTO_MODEL_CLASS.from_pretrained`` will instantiate, found without loading weights (or None).
-
-        Mirrors transformers' choice: a registered local class unless the config's ``auto_map`` points at remote code
-        that is trusted and the local class is a stock transformers one.
-        """
-        try:
-            from transformers.dynamic_module_utils import get_class_from_dynamic_module
-            from transformers.models.auto.auto_factory import _get_model_class
-
-            auto_cls, config = self.AUTO_MODEL_CLASS, self.config
-            auto_map = getattr(config, "auto_map", None) or {}
-            has_remote = auto_cls.__name__ in auto_map
-            mapping = auto_cls._model_mapping
-            if type(config) in mapping:
-                local = _get_model_class(config, mapping)
-                if not (has_remote and trust_remote_code and local.__module__.startswith("transformers.")):
-                    return local
-            if has_remote and trust_remote_code and not subfolder:
-                return get_class_from_dynamic_module(auto_map[auto_cls.__name__], pretrained, revision=revision)
-        except Exception as err:  # resolution is an optimisation; _create_model falls back to loading first
-            logger.debug("Could not resolve the model class of %s before loading: %s", pretrained, err)
-        return None
-
-    def _split_extras(self, extras: dict, model_or_class) -> dict:
-        """Move the forward-parameter knobs of ``extras`` into ``self.forward_kwargs``; return the rest."""
-        knobs = forward_knob_names(model_or_class)
-        self.forward_kwargs.update({k: v for k, v in extras.items() if k in knobs})
-        return {k: v for k, v in extras.items() if k not in knobs}
-
     def _create_model(self, pretrained: str, **kwargs) -> None:
+        # HFLM passes every model_arg it does not know to from_pretrained. Knobs are per call, not load arguments:
+        # load with HFLM's own arguments, then take the knobs out of the extras; reload only if some extras remain
+        # (genuine from_pretrained arguments, e.g. a config override).
         named = set(inspect.signature(HFLM._create_model).parameters) - {"self", "pretrained", "kwargs"}
         base = {k: v for k, v in kwargs.items() if k in named}
         extras = {k: v for k, v in kwargs.items() if k not in named}
-        model_class = self._resolve_model_class(pretrained, bool(base.get("trust_remote_code")),
-                                                base.get("revision"), base.get("subfolder") or "")
-        if model_class is not None:
-            self._check_fp_knobs(self.config, model_class)  # before any weights are read
-            load_kwargs = self._split_extras(extras, model_class)
-            super()._create_model(pretrained, **base, **load_kwargs)
-            return
-        # Class unknown until loaded: load without the extras, split them, reload only if some are load arguments.
         super()._create_model(pretrained, **base)
         model = self._model.get_base_model() if hasattr(self._model, "get_base_model") else self._model
         self._check_fp_knobs(self.config, model)
-        load_kwargs = self._split_extras(extras, model)
+        knobs = forward_knob_names(model)
+        self.forward_kwargs.update({k: v for k, v in extras.items() if k in knobs})
+        load_kwargs = {k: v for k, v in extras.items() if k not in knobs}
         if load_kwargs:
             super()._create_model(pretrained, **base, **load_kwargs)
 
