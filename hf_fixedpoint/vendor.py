@@ -10,12 +10,10 @@ generated, never edited; ``hf_fixedpoint/core/`` is the source of truth (transfo
 """
 
 import argparse
-import re
 import sys
 from pathlib import Path
 
 CORE_DIR = Path(__file__).resolve().parent / "core"
-_SIBLING_IMPORT = re.compile(r"^\s*from\s+\.(\S+)\s+import", re.MULTILINE)  # the regex transformers uses
 
 
 def default_modeling_dir() -> Path:
@@ -31,8 +29,11 @@ def default_modeling_dir() -> Path:
     raise FileNotFoundError(f"no modeling/ folder found next to {here}")
 
 
-def _core_imports(text: str) -> set:
-    return {m for m in _SIBLING_IMPORT.findall(text) if (CORE_DIR / f"{m}.py").is_file()}
+def _core_imports(path: Path) -> set:
+    """Core modules among a file's sibling imports, found the way save_pretrained finds the files it copies."""
+    from transformers.dynamic_module_utils import get_relative_imports
+
+    return {m for m in get_relative_imports(path) if (CORE_DIR / f"{m}.py").is_file()}
 
 
 def required_core_files(family_dir: Path) -> set:
@@ -40,11 +41,11 @@ def required_core_files(family_dir: Path) -> set:
     needed = set()
     for path in sorted(family_dir.glob("*.py")):
         if path.name.startswith(("modeling_", "configuration_")):
-            needed |= _core_imports(path.read_text())
+            needed |= _core_imports(path)
     todo = list(needed)
     while todo:
         name = todo.pop()
-        for dep in _core_imports((CORE_DIR / f"{name}.py").read_text()) - needed:
+        for dep in _core_imports(CORE_DIR / f"{name}.py") - needed:
             needed.add(dep)
             todo.append(dep)
     return needed
