@@ -8,10 +8,12 @@ loads with ``trust_remote_code=True`` where hf-fixedpoint is not installed.
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+from .attractor_lm import AttractorConfig, AttractorForCausalLM, AttractorModel
 from .deq_lm import DEQLMConfig, DEQLMForCausalLM, DEQLMModel
 
 # (config class, [(Auto class, model class), ...]) for every family.
 FAMILIES = [
+    (AttractorConfig, [(AutoModel, AttractorModel), (AutoModelForCausalLM, AttractorForCausalLM)]),
     (DEQLMConfig, [(AutoModel, DEQLMModel), (AutoModelForCausalLM, DEQLMForCausalLM)]),
 ]
 
@@ -27,4 +29,12 @@ def _register():
 
 _register()
 
-__all__ = ["FAMILIES", "DEQLMConfig", "DEQLMForCausalLM", "DEQLMModel"]
+__all__ = [
+    "FAMILIES",
+    "AttractorConfig",
+    "AttractorForCausalLM",
+    "AttractorModel",
+    "DEQLMConfig",
+    "DEQLMForCausalLM",
+    "DEQLMModel",
+]

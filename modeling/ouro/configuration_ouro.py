@@ -1,0 +1,132 @@
+"""Configuration of Ouro (ByteDance Seed's looped language model, "Scaling Latent Reasoning via Looped Language
+Models", 2025): a Qwen2-style decoder stack applied ``total_ut_steps`` times with weight tying across loops, an
+early-exit gate after every loop and one KV-cache slot per (loop, layer).
+
+The keys and their meaning are those of the released ``config.json`` files (``ByteDance/Ouro-1.4B``, ``-2.6B``), so
+those files load unchanged; the defaults below are the constructor defaults of the upstream class, not checkpoint
+values (Ouro-1.4B: hidden 2048, 24 layers, 16 heads, intermediate 5632, vocab 49152, rope_theta 1e6).
+"""
+
+from transformers import PretrainedConfig
+
+from .fp_registry import check_choice, check_number
+
+EXIT_LOSSES = ("expected_logits", "expected_loss", "last")
+
+
+class OuroConfig(PretrainedConfig):
+    r"""
+    Args:
+        vocab_size, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
+        hidden_act, max_position_embeddings, initializer_range, rms_norm_eps, attention_dropout: as in Qwen2 / Llama
+            (no biases in the projections).
+        rope_theta, rope_scaling: upstream's RoPE keys; stored as transformers-5 ``rope_parameters`` (which
+            ``save_pretrained`` writes in their place; both forms load).
+        use_sliding_window, sliding_window, max_window_layers, layer_types: kept for key compatibility; Ouro uses
+            full attention in every layer.
+        total_ut_steps: loops of the layer stack (the "universal transformer" steps); overridable per call with
+            ``forward(..., total_ut_steps=k)`` / ``generate(..., total_ut_steps=k)``.
+        early_exit_threshold: Q-exit threshold at inference: each token is decoded from the first loop whose
+            cumulative exit probability reaches it (1.0: in practice the last loop); ``None`` decodes the last loop.
+        early_exit_step: if set (0-based), inference decodes that loop's state instead.
+        exit_loss: training loss with ``labels`` (not an upstream key): ``"expected_logits"`` (upstream HF code:
+            cross-entropy of the exit-probability-weighted mixture of per-loop logits), ``"expected_loss"`` (paper
+            stage I: ``sum_t p_t * CE_t - entropy_weight * H(p)``) or ``"last"`` (cross-entropy of the last loop).
+        entropy_weight: beta of the entropy bonus in ``"expected_loss"``.
+
+    Example:
+        >>> config = OuroConfig(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        ...                     num_attention_heads=4, num_key_value_heads=4, total_ut_steps=3)
+    """
+
+    model_type = "ouro"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    # Read by transformers' Llama attention / MLP, which Ouro reuses: Ouro has no projection biases. Class
+    # attributes, so they are not written to config.json (the released files do not have them).
+    attention_bias = False
+    mlp_bias = False
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
+
+    def __init__(
+        self,
+        vocab_size: int = 151936,
+        hidden_size: int = 4096,
+        intermediate_size: int = 22016,
+        num_hidden_layers: int = 32,
+        num_attention_heads: int = 32,
+        num_key_value_heads: int = 32,
+        hidden_act: str = "silu",
+        max_position_embeddings: int = 32768,
+        initializer_range: float = 0.02,
+        rms_norm_eps: float = 1e-6,
+        use_cache: bool = True,
+        tie_word_embeddings: bool = False,
+        rope_theta: float = 10000.0,
+        rope_scaling: dict = None,
+        rope_parameters: dict = None,
+        use_sliding_window: bool = False,
+        sliding_window: int = 4096,
+        max_window_layers: int = 28,
+        layer_types: list = None,
+        attention_dropout: float = 0.0,
+        total_ut_steps: int = 4,
+        early_exit_threshold: float = 1.0,
+        early_exit_step: int = None,
+        exit_loss: str = "expected_logits",
+        entropy_weight: float = 0.0,
+        **kwargs,
+    ):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "max_position_embeddings", "total_ut_steps"):
+            check_number(locals()[name], name, low=1, integer=True)
+        if hidden_size % num_attention_heads:
+            raise ValueError(
+                f"hidden_size={hidden_size} must be divisible by num_attention_heads={num_attention_heads}."
+            )
+        if num_attention_heads % num_key_value_heads:
+            raise ValueError(f"num_attention_heads={num_attention_heads} must be divisible by "
+                             f"num_key_value_heads={num_key_value_heads}.")
+        if early_exit_threshold is not None:
+            check_number(early_exit_threshold, "early_exit_threshold", low=0.0, high=1.0)
+        if early_exit_step is not None:
+            check_number(early_exit_step, "early_exit_step", low=0, integer=True)
+        check_choice(exit_loss, "exit_loss", EXIT_LOSSES)
+        check_number(entropy_weight, "entropy_weight", low=0.0)
+        if use_sliding_window:
+            raise ValueError("use_sliding_window=True is not supported: Ouro uses full attention in every layer.")
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.hidden_act = hidden_act
+        self.max_position_embeddings = max_position_embeddings
+        self.initializer_range = initializer_range
+        self.rms_norm_eps = rms_norm_eps
+        self.use_cache = use_cache
+        self.rope_parameters = rope_parameters
+        self.use_sliding_window = use_sliding_window
+        self.sliding_window = None  # as upstream: forced to None unless use_sliding_window
+        self.max_window_layers = max_window_layers
+        self.layer_types = layer_types or ["full_attention"] * num_hidden_layers
+        self.attention_dropout = attention_dropout
+        self.total_ut_steps = total_ut_steps
+        self.early_exit_threshold = early_exit_threshold
+        self.early_exit_step = early_exit_step
+        self.exit_loss = exit_loss
+        self.entropy_weight = entropy_weight
+        # Upstream's rope_theta / rope_scaling become transformers-5's rope_parameters (the base class converts them).
+        super().__init__(tie_word_embeddings=tie_word_embeddings, rope_theta=rope_theta, rope_scaling=rope_scaling,
+                         **kwargs)
+
+
+__all__ = ["EXIT_LOSSES", "OuroConfig"]

@@ -1,0 +1,363 @@
+"""Ouro: a looped language model. One stack of ``num_hidden_layers`` decoder layers is applied ``total_ut_steps``
+times (weights tied across loops); the final norm follows every loop, and an early-exit gate scores every loop.
+
+Semantics and state-dict names follow the released ``ByteDance/Ouro-*`` checkpoints (their remote code does not run
+on transformers >= 4.56):
+
+* layer ("sandwich" norms inside the residual branches)::
+
+      h = h + input_layernorm_2(self_attn(input_layernorm(h)))
+      h = h + post_attention_layernorm_2(mlp(post_attention_layernorm(h)))
+
+* loop: ``h_0 = embed(x)``, ``h_t = norm(layers(h_{t-1}))`` for ``t = 1..T``; rotary embeddings and the mask are
+  computed once and shared by all loops;
+* exit distribution per token: ``lambda_t = sigmoid(early_exit_gate(h_t))``, ``p_t = lambda_t * prod_{j<t}(1 -
+  lambda_j)`` for ``t < T`` and ``p_T = prod_{j<T}(1 - lambda_j)``;
+* KV cache: loop ``t`` of layer ``l`` uses cache slot ``t * num_hidden_layers + l`` (``L * T`` slots), so loop ``t`` of
+  a new token attends to loop-``t`` keys and values of the earlier tokens. A transformers ``DynamicCache`` is grown to
+  that many slots, which keeps left-padded batched generation exact (the upstream cache's mask sizes were wrong).
+
+Differences from the upstream code: the loop count is read per call (``total_ut_steps=``) instead of being frozen at
+``__init__``; ``OuroModel`` returns an ``OuroModelOutput`` instead of a 3-tuple; a checkpoint with missing weights is
+an error instead of a warning and a random initialization.
+"""
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import ModelOutput
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+
+from .configuration_ouro import OuroConfig
+from .fp_registry import check_number
+
+
+@dataclass
+class OuroModelOutput(ModelOutput):
+    """
+    Attributes:
+        last_hidden_state: state after the last loop (normalized), ``(B, S, D)``.
+        past_key_values: the cache (``L * T`` slots) when ``use_cache``.
+        loop_hidden_states: the state after every loop, a tuple of ``T`` tensors ``(B, S, D)``.
+        gate_logits: early-exit gate logits of every loop, ``(B, S, T)``.
+        loop_step: one loop as a function of the state (``h -> norm(layers(h))``, same mask and positions, no
+            cache), for regularizers such as STARS' Jacobian penalty.
+    """
+
+    last_hidden_state: Optional[torch.FloatTensor] = None
+    past_key_values: Optional[Cache] = None
+    loop_hidden_states: Optional[tuple] = None
+    gate_logits: Optional[torch.FloatTensor] = None
+    loop_step: Optional[Callable] = None
+
+
+@dataclass
+class OuroCausalLMOutput(ModelOutput):
+    """
+    Attributes:
+        loss: training loss (``config.exit_loss``) when ``labels`` are given.
+        logits: decoded logits: the exit-weighted mixture when training, else the loop chosen by the exit rule.
+        past_key_values, loop_hidden_states, gate_logits, loop_step: as in ``OuroModelOutput``.
+        exit_pdf: exit distribution over loops per token, ``(B, S, T)`` (at least float32).
+        loop_logits: logits of every loop (tuple of ``T``) when ``output_loop_logits=True``.
+    """
+
+    loss: Optional[torch.FloatTensor] = None
+    logits: Optional[torch.FloatTensor] = None
+    past_key_values: Optional[Cache] = None
+    loop_hidden_states: Optional[tuple] = None
+    gate_logits: Optional[torch.FloatTensor] = None
+    exit_pdf: Optional[torch.FloatTensor] = None
+    loop_logits: Optional[tuple] = None
+    loop_step: Optional[Callable] = None
+
+
+def exit_distribution(gate_logits: torch.Tensor) -> torch.Tensor:
+    """Exit pdf ``(..., T)`` from gate logits ``(..., T)``: ``p_t = lambda_t * S_{t-1}``, ``p_T = S_{T-1}``."""
+    lam = torch.sigmoid(gate_logits.to(torch.promote_types(gate_logits.dtype, torch.float32)))
+    survival = torch.cumprod(1.0 - lam, dim=-1)  # S_t
+    before = torch.cat([torch.ones_like(survival[..., :1]), survival[..., :-1]], dim=-1)  # S_{t-1}
+    return torch.cat([lam[..., :-1] * before[..., :-1], before[..., -1:]], dim=-1)
+
+
+class OuroRMSNorm(LlamaRMSNorm):
+    """Llama's RMS norm (``weight * x / rms(x)``, weight initialized to ones) computed in at least float32:
+    half-precision inputs get float32 statistics as upstream, float64 inputs stay in float64."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        dtype = hidden_states.dtype
+        x = hidden_states.to(torch.promote_types(dtype, torch.float32))
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(dtype)
+
+
+class _LoopSlots:
+    """A cache seen by loop ``t``: layer ``l`` reads and writes slot ``t * num_hidden_layers + l``."""
+
+    def __init__(self, cache: Cache, offset: int):
+        self.cache, self.offset = cache, offset
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return self.cache.update(key_states, value_states, layer_idx + self.offset, *args, **kwargs)
+
+
+class OuroDecoderLayer(GradientCheckpointingLayer):
+    """Llama attention and SwiGLU MLP with Ouro's four RMS norms (pre and post each sublayer, inside the branch)."""
+
+    def __init__(self, config: OuroConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = OuroRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm_2 = OuroRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = OuroRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm_2 = OuroRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, past_key_values=None, **kwargs):
+        attn, _ = self.self_attn(self.input_layernorm(hidden_states), position_embeddings=position_embeddings,
+                                 attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
+        hidden_states = hidden_states + self.input_layernorm_2(attn)
+        mlp = self.mlp(self.post_attention_layernorm(hidden_states))
+        return hidden_states + self.post_attention_layernorm_2(mlp)
+
+
+class OuroPreTrainedModel(PreTrainedModel):
+    config_class = OuroConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["OuroDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """``PreTrainedModel.from_pretrained``, but weights missing from the checkpoint are an error (upstream
+        transformers would initialize them randomly with only a warning)."""
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        missing = sorted(info.get("missing_keys") or [])
+        if missing:
+            raise ValueError(f"The checkpoint lacks {len(missing)} Ouro weight(s): {missing[:8]}"
+                             f"{' ...' if len(missing) > 8 else ''}. Expected the ByteDance/Ouro state-dict names "
+                             "(model.layers.{i}.self_attn.q_proj.weight, model.early_exit_gate.weight, ...).")
+        return (model, info) if want_info else model
+
+
+def _resolve_loops(total_ut_steps, config) -> int:
+    loops = config.total_ut_steps if total_ut_steps is None else total_ut_steps
+    check_number(loops, "total_ut_steps", low=1, integer=True)
+    return loops
+
+
+class OuroModel(OuroPreTrainedModel):
+    def __init__(self, config: OuroConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList([OuroDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = OuroRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+        self.early_exit_gate = nn.Linear(config.hidden_size, 1)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def _prepare_cache(self, cache: Cache, loops: int) -> None:
+        """Make room for one slot per (loop, layer); refuse a cache filled with another loop count."""
+        slots = loops * self.config.num_hidden_layers
+        if cache.get_seq_length() > 0:
+            if len(cache.layers) != slots:
+                raise ValueError(
+                    f"The cache holds {len(cache.layers)} (loop, layer) slots but total_ut_steps={loops} needs "
+                    f"{slots}: keep total_ut_steps fixed while reusing a cache.")
+        elif cache.layer_class_to_replicate is None and len(cache.layers) < slots:
+            # A cache built from the config (e.g. by generate) has one slot per layer only.
+            cache.layers.extend(DynamicLayer() for _ in range(slots - len(cache.layers)))
+
+    def loop(self, hidden_states, mask, position_embeddings, past_key_values=None, offset: int = 0, **kwargs):
+        """One loop: every layer once (cache slots ``offset + l``), then the final norm."""
+        cache = None if past_key_values is None else _LoopSlots(past_key_values, offset)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, attention_mask=mask, position_embeddings=position_embeddings,
+                                  past_key_values=cache, **kwargs)
+        return self.norm(hidden_states)
+
+    def loop_step(self, hidden_states, attention_mask=None, position_ids=None):
+        """One uncached loop as a function of the state alone. The mask is built for the attention implementation
+        active at call time, so a regularizer may switch to eager attention for double backward."""
+        if position_ids is None:
+            position_ids = torch.arange(hidden_states.shape[1], device=hidden_states.device)[None]
+        mask = create_causal_mask(config=self.config, inputs_embeds=hidden_states, attention_mask=attention_mask,
+                                  past_key_values=None, position_ids=position_ids)
+        return self.loop(hidden_states, mask, self.rotary_emb(hidden_states, position_ids=position_ids))
+
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.LongTensor] = None,
+        past_key_values: Optional[Cache] = None,
+        inputs_embeds: Optional[torch.FloatTensor] = None,
+        use_cache: Optional[bool] = None,
+        total_ut_steps: Optional[int] = None,
+        **kwargs,
+    ) -> OuroModelOutput:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids and inputs_embeds.")
+        loops = _resolve_loops(total_ut_steps, self.config)
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if self.gradient_checkpointing and self.training:
+            use_cache = False
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache()
+        if not use_cache:
+            past_key_values = None
+        if past_key_values is not None:
+            self._prepare_cache(past_key_values, loops)
+        if position_ids is None:
+            past = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past)[None]
+        # Shared by all loops, as upstream: one mask, one set of rotary embeddings.
+        mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                                  past_key_values=past_key_values, position_ids=position_ids)
+        position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
+        hidden_states, states, gates = inputs_embeds, [], []
+        for t in range(loops):
+            hidden_states = self.loop(hidden_states, mask, position_embeddings, past_key_values,
+                                      offset=t * self.config.num_hidden_layers, **kwargs)
+            states.append(hidden_states)
+            gates.append(self.early_exit_gate(hidden_states))
+        loop_step = partial(self.loop_step, attention_mask=attention_mask, position_ids=position_ids)
+        return OuroModelOutput(last_hidden_state=hidden_states, past_key_values=past_key_values,
+                               loop_hidden_states=tuple(states), gate_logits=torch.cat(gates, dim=-1),
+                               loop_step=loop_step)
+
+
+class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+
+    def __init__(self, config: OuroConfig):
+        super().__init__(config)
+        self.model = OuroModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.LongTensor] = None,
+        past_key_values: Optional[Cache] = None,
+        inputs_embeds: Optional[torch.FloatTensor] = None,
+        labels: Optional[torch.LongTensor] = None,
+        use_cache: Optional[bool] = None,
+        logits_to_keep: int = 0,
+        total_ut_steps: Optional[int] = None,
+        exit_threshold: Optional[float] = None,
+        exit_at_step: Optional[int] = None,
+        use_weighted_exit: bool = False,
+        output_loop_logits: bool = False,
+        **kwargs,
+    ) -> OuroCausalLMOutput:
+        r"""
+        Args:
+            labels: next-token targets (shifted inside); gives ``loss`` per ``config.exit_loss``.
+            total_ut_steps: loops for this call (default ``config.total_ut_steps``).
+            exit_threshold: Q-exit threshold for this call (default ``config.early_exit_threshold``); each token
+                is decoded from the first loop whose cumulative exit probability reaches it, else the last loop.
+            exit_at_step: decode this loop (0-based) for every token (default ``config.early_exit_step``).
+            use_weighted_exit: decode the exit-probability-weighted mixture of the per-loop logits.
+            output_loop_logits: also return the logits of every loop.
+
+        With labels, or in training mode, ``logits`` are those the training loss uses (``config.exit_loss``: the
+        exit-weighted mixture, or the last loop). Otherwise the decoding rule is, in order: ``exit_at_step``,
+        ``use_weighted_exit``, the threshold, the last loop. All loops are computed in every case (as upstream: the
+        exit selects, it does not save compute, which keeps the per-loop cache complete for the next tokens).
+        """
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                         total_ut_steps=total_ut_steps, **kwargs)
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        states = [h[:, keep] for h in out.loop_hidden_states]
+        pdf = exit_distribution(out.gate_logits[:, keep])
+        loops = len(states)
+        need_all = output_loop_logits or labels is not None or self.training or use_weighted_exit
+        loop_logits = [self.lm_head(h) for h in states] if need_all else None
+
+        def mixture():
+            return sum(pdf[..., t, None].to(loop_logits[t].dtype) * loop_logits[t] for t in range(loops))
+
+        loss = None
+        if labels is not None or self.training:
+            mode = self.config.exit_loss
+            logits = loop_logits[-1] if mode == "last" else mixture()
+            if labels is not None and mode == "expected_loss":
+                loss = self._expected_loss(loop_logits, pdf, labels)
+            elif labels is not None:
+                loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        else:
+            step = self.config.early_exit_step if exit_at_step is None else exit_at_step
+            threshold = self.config.early_exit_threshold if exit_threshold is None else exit_threshold
+            if step is not None:
+                check_number(step, "exit_at_step", low=0, high=loops - 1, integer=True)
+                logits = loop_logits[step] if need_all else self.lm_head(states[step])
+            elif use_weighted_exit:
+                logits = mixture()
+            elif threshold is not None and loops > 1:
+                check_number(threshold, "exit_threshold", low=0.0, high=1.0)
+                reached = pdf.cumsum(dim=-1) >= threshold
+                index = torch.where(reached.any(-1), reached.float().argmax(-1), loops - 1)  # (B, S)
+                stacked = torch.stack(states, dim=-2)  # (B, S, T, D)
+                chosen = stacked.gather(-2, index[..., None, None].expand(*index.shape, 1, stacked.shape[-1]))
+                logits = self.lm_head(chosen.squeeze(-2))
+            else:
+                logits = loop_logits[-1] if need_all else self.lm_head(states[-1])
+        return OuroCausalLMOutput(loss=loss, logits=logits, past_key_values=out.past_key_values,
+                                  loop_hidden_states=out.loop_hidden_states, gate_logits=out.gate_logits,
+                                  exit_pdf=pdf, loop_logits=tuple(loop_logits) if output_loop_logits else None,
+                                  loop_step=out.loop_step)
+
+    def _expected_loss(self, loop_logits, pdf, labels):
+        """Paper stage I: mean over target tokens of ``sum_t p_t * CE_t - entropy_weight * H(p)``."""
+        targets = F.pad(labels, (0, 1), value=-100)[:, 1:].to(pdf.device)
+        valid = targets != -100
+        ce = torch.stack([F.cross_entropy(lg.to(pdf.dtype).transpose(1, 2), targets, reduction="none")
+                          for lg in loop_logits], dim=-1)  # (B, S, T); ignored targets (-100) give 0
+        entropy = -(pdf * pdf.clamp_min(1e-12).log()).sum(-1)
+        per_token = (pdf * ce).sum(-1) - self.config.entropy_weight * entropy
+        return (per_token * valid).sum() / valid.sum().clamp_min(1)
+
+
+__all__ = ["OuroCausalLMOutput", "OuroForCausalLM", "OuroModel", "OuroModelOutput", "OuroPreTrainedModel",
+           "exit_distribution"]
