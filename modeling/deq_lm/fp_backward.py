@@ -50,8 +50,15 @@ class _ImplicitGrad(torch.autograd.Function):
             fh = ctx.f(h)
         mask = ctx.mask
 
+        clip = ctx.options["clip"]
+
         def adjoint_map(u):
             (jtu,) = torch.autograd.grad(fh, h, u, retain_graph=True)
+            if clip is not None:  # per sample: ||J^T u|| <= clip * ||u|| keeps the adjoint map contractive
+                un = torch.linalg.vector_norm(u.flatten(1), dim=1)
+                jn = torch.linalg.vector_norm(jtu.flatten(1), dim=1)
+                scale = (clip * un / jn.clamp_min(torch.finfo(jn.dtype).tiny)).clamp(max=1.0)
+                jtu = jtu * scale.view((-1,) + (1,) * (jtu.dim() - 1))
             return grad + (jtu if mask is None else mask * jtu)
 
         opts = ctx.options
@@ -86,13 +93,19 @@ def _picard_unroll(f, z, steps, damping):
 
 @BACKWARDS.register("ift")
 def ift(f, z0, z_star, stats, *, solver="anderson", tol=None, max_iter=None, solver_kwargs=None, mask=None,
-        _forward=None):
-    """Implicit differentiation; defaults: forward tolerance and cap, Anderson adjoint."""
+        clip=None, _forward=None):
+    """Implicit differentiation; defaults: forward tolerance and cap, Anderson adjoint.
+
+    ``clip`` (adjoint gradient clipping, as in the Attractor models' code): inside the adjoint map, rescale ``J^T u``
+    per sample so that ``||J^T u|| <= clip * ||u||``; with ``clip < 1`` the adjoint iteration stays a contraction even
+    when training has pushed ``f`` towards a non-contractive regime. ``None`` (default) leaves ``J^T u`` unchanged.
+    """
     options = {
         "solver": solver,
         "tol": _forward["tol"] if tol is None else tol,
         "max_iter": _forward["max_iter"] if max_iter is None else max_iter,
         "solver_kwargs": solver_kwargs or {},
+        "clip": clip,
     }
     fz = f(z_star)
     if not fz.requires_grad:
@@ -142,6 +155,8 @@ def backward_kwargs_check(backward: str, kwargs: Optional[dict], argument: str =
             check_number(kwargs["tol"], f"{argument}['tol']", low=0.0, low_open=True)
         if kwargs.get("max_iter") is not None:
             check_number(kwargs["max_iter"], f"{argument}['max_iter']", low=1, integer=True)
+        if kwargs.get("clip") is not None:
+            check_number(kwargs["clip"], f"{argument}['clip']", low=0.0, low_open=True)
         mask = kwargs.get("mask")
         if isinstance(mask, str) and mask != "converged":
             raise ValueError(f"{argument}['mask']={mask!r} is not allowed. Allowed values: None, 'converged', "
@@ -179,7 +194,8 @@ def fixed_point(
             track_trace, solver_kwargs: see ``fp_solvers.solve``.
         backward: ``ift`` (default), ``phantom``, ``one_step`` or ``bptt`` (see the module docstring).
         backward_kwargs: options of the backward mode: ``ift``: ``solver``, ``tol``, ``max_iter``,
-            ``solver_kwargs``, ``mask``; ``phantom``: ``steps``, ``damping``; ``bptt``: ``steps``, ``damping``.
+            ``solver_kwargs``, ``mask``, ``clip``; ``phantom``: ``steps``, ``damping``; ``bptt``: ``steps``,
+            ``damping``.
 
     Returns:
         ``(z_star, stats)``: ``z_star`` shaped like ``z0``; ``stats`` a ``FixedPointStats``.

@@ -1,0 +1,327 @@
+"""Attractor LM: a causal transformer backbone ``T_b`` turns the tied embeddings into a proposal ``y0``; a weight-tied
+attractor ``T_a`` refines it, ``y_{t+1} = T_a(y_t, y0)``, to its fixed point ``y*`` (found by ``fixed_point``);
+``RMSNorm(y*)`` is decoded with the tied embedding.
+
+With ``u = y + y0`` (``injection="add"``) the attractor map is ``T_a(y, y0) = Blocks(u) - y = y0 + Delta(u)``, where
+``Blocks`` are pre-norm layers whose sublayer outputs are scaled by per-channel gates ``gamma`` (``Delta`` is the sum
+of those scaled outputs). Small gates keep ``T_a`` a contraction, so the solve converges from ``y0``.
+
+Generation with a KV cache: the backbone layers use the cache as usual; the attractor layers iterate against the
+cached keys/values of earlier tokens (read, never written, during the solve) and write the keys/values of the new
+tokens once, at their fixed point.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_outputs import ModelOutput
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import (
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
+
+from .configuration_attractor_lm import AttractorConfig
+from .fp_backward import fixed_point
+from .fp_registry import check_number
+from .fp_settings import fixed_point_kwargs
+from .fp_stats import FixedPointStats
+
+
+@dataclass
+class AttractorModelOutput(ModelOutput):
+    """``last_hidden_state``: ``RMSNorm(y*)`` ``(B, T, D)`` (``RMSNorm(y0)`` for a T=0 readout); ``proposal``: the
+    backbone's ``y0``; ``attractor_state``: ``y*``; ``past_key_values``: the cache; ``fp_stats``: per-token solver
+    statistics (``nstep``, ``residual``, ``converged`` shaped ``(B, T)``). ``attractor_state`` and ``fp_stats`` are
+    ``None`` for a T=0 readout."""
+
+    last_hidden_state: Optional[torch.FloatTensor] = None
+    proposal: Optional[torch.FloatTensor] = None
+    attractor_state: Optional[torch.FloatTensor] = None
+    past_key_values: Optional[Cache] = None
+    fp_stats: Optional[FixedPointStats] = None
+
+
+@dataclass
+class AttractorCausalLMOutput(ModelOutput):
+    loss: Optional[torch.FloatTensor] = None
+    logits: Optional[torch.FloatTensor] = None
+    past_key_values: Optional[Cache] = None
+    fp_stats: Optional[FixedPointStats] = None
+
+
+class AttractorAttention(nn.Module):
+    """Causal self-attention with QK-norm and rotary embeddings (transformers' attention functions).
+
+    ``past_key_values`` (a ``Cache``) is updated with this call's keys/values; ``past_kv`` (a ``(keys, values)``
+    pair read from a cache) is only prepended, which is how the attractor iterates without writing.
+    """
+
+    def __init__(self, config: AttractorConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.is_causal = True
+        D, kv = config.hidden_size, config.num_key_value_heads * self.head_dim
+        self.q_proj = nn.Linear(D, config.num_attention_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(D, kv, bias=False)
+        self.v_proj = nn.Linear(D, kv, bias=False)
+        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, D, bias=False)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, past_kv=None):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        q = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)  # (B, nkv, T, hd)
+        v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)
+        elif past_kv is not None:
+            k, v = torch.cat([past_kv[0], k], dim=-2), torch.cat([past_kv[1], v], dim=-2)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        out, _ = attention(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling)
+        return self.o_proj(out.reshape(*input_shape, -1).contiguous())
+
+
+class AttractorMLP(nn.Module):
+    """ReLU² MLP."""
+
+    def __init__(self, config: AttractorConfig):
+        super().__init__()
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = ACT2FN["relu2"]
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.up_proj(x)))
+
+
+class AttractorConcatInjection(nn.Linear):
+    """``injection="concat"``: ``u = W [y; y0]``, with ``W`` initialised to ``[I, I]`` (so it starts as ``y + y0``)."""
+
+    def __init__(self, config: AttractorConfig):
+        super().__init__(2 * config.hidden_size, config.hidden_size, bias=False)
+
+
+class AttractorDecoderLayer(nn.Module):
+    """Pre-norm layer ``h + g_a * Attn(norm(h))`` then ``h + g_m * MLP(norm(h))``.
+
+    Backbone layers have no gates (``g = 1``). Attractor layers have per-channel gates
+    ``g = layer_scale_max * sigmoid(raw)``, initialised to ``layer_scale_init``, which bound how far one attractor
+    step can move the state.
+    """
+
+    def __init__(self, config: AttractorConfig, layer_idx: int, gated: bool):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = AttractorAttention(config, layer_idx)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = AttractorMLP(config)
+        self.gamma_max = config.layer_scale_max
+        if gated:
+            self.raw_gamma_attn = nn.Parameter(torch.empty(config.hidden_size))
+            self.raw_gamma_mlp = nn.Parameter(torch.empty(config.hidden_size))
+        else:
+            self.register_parameter("raw_gamma_attn", None)
+            self.register_parameter("raw_gamma_mlp", None)
+
+    def _gate(self, raw, x):
+        return x if raw is None else x * (self.gamma_max * torch.sigmoid(raw))
+
+    def forward(self, h, position_embeddings, attention_mask, past_key_values=None, past_kv=None):
+        a = self.self_attn(self.input_layernorm(h), position_embeddings, attention_mask, past_key_values, past_kv)
+        h = h + self._gate(self.raw_gamma_attn, a)
+        return h + self._gate(self.raw_gamma_mlp, self.mlp(self.post_attention_layernorm(h)))
+
+
+class AttractorPreTrainedModel(PreTrainedModel):
+    config_class = AttractorConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["AttractorDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, AttractorDecoderLayer) and module.raw_gamma_attn is not None:
+            p = self.config.layer_scale_init / self.config.layer_scale_max
+            raw = torch.logit(torch.tensor(p)).item()  # sigmoid(raw) * gamma_max == layer_scale_init
+            init.constant_(module.raw_gamma_attn, raw)
+            init.constant_(module.raw_gamma_mlp, raw)
+        elif isinstance(module, AttractorConcatInjection):
+            init.copy_(module.weight, torch.eye(module.out_features).repeat(1, 2))
+
+
+class AttractorModel(AttractorPreTrainedModel):
+    """Embedding -> backbone (proposal ``y0``) -> attractor fixed point ``y*`` -> final RMSNorm."""
+
+    def __init__(self, config: AttractorConfig):
+        super().__init__(config)
+        Lb = config.num_backbone_layers
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.backbone = nn.ModuleList([AttractorDecoderLayer(config, i, gated=False) for i in range(Lb)])
+        self.attractor = nn.ModuleList(
+            [AttractorDecoderLayer(config, Lb + i, gated=True) for i in range(config.num_attractor_layers)]
+        )
+        self.inject_proj = AttractorConcatInjection(config) if config.injection == "concat" else None
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def attractor_map(self, y, y0, cos, sin, mask, *past, cache=None):
+        """``T_a(y, y0)``. ``past``: per attractor layer, cached keys then values of earlier tokens (read only);
+        ``cache``: a ``Cache`` to write this call's keys/values into (used once, at the fixed point)."""
+        inj = self.config.injection
+        if inj == "add":
+            u = y + y0
+        elif inj == "initial_only":
+            u = y
+        else:
+            u = self.inject_proj(torch.cat([y, y0], dim=-1))
+        n = len(self.attractor)
+        h = u
+        for i, layer in enumerate(self.attractor):
+            past_kv = (past[i], past[n + i]) if past else None
+            h = layer(h, (cos, sin), mask, past_key_values=cache, past_kv=past_kv)
+        return h - y
+
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.LongTensor] = None,
+        past_key_values: Optional[Cache] = None,
+        inputs_embeds: Optional[torch.FloatTensor] = None,
+        use_cache: Optional[bool] = None,
+        fp_overrides: Optional[dict] = None,
+        readout_iters: Optional[int] = None,
+        **kwargs,
+    ) -> AttractorModelOutput:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids and inputs_embeds.")
+        readout_iters = self.config.readout_iters if readout_iters is None else readout_iters
+        if readout_iters is not None:
+            check_number(readout_iters, "readout_iters", low=0, integer=True)
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        if not use_cache:
+            past_key_values = None
+        B, T, _ = inputs_embeds.shape
+        past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past_len, past_len + T, device=inputs_embeds.device)
+        position_ids = position_ids.expand(B, T)
+        mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                                  past_key_values=past_key_values, position_ids=position_ids)
+        cos, sin = self.rotary_emb(inputs_embeds, position_ids)  # (B, T, hd) each
+
+        # Backbone T_b: the proposal y0 (the cache is read and written as in any causal LM).
+        h = inputs_embeds
+        for layer in self.backbone:
+            h = layer(h, (cos, sin), mask, past_key_values=past_key_values)
+        y0 = h
+        if readout_iters == 0:  # T=0 readout: decode the proposal
+            return AttractorModelOutput(last_hidden_state=self.norm(y0), proposal=y0,
+                                        past_key_values=past_key_values)
+
+        # Attractor T_a: per-token fixed point from y0, iterating against the attractor's cached keys/values.
+        past = ()
+        if past_key_values is not None and past_len > 0:
+            layers = [past_key_values.layers[layer.self_attn.layer_idx] for layer in self.attractor]
+            if all(c.is_initialized and c.get_seq_length() == past_len for c in layers):
+                past = tuple(c.keys for c in layers) + tuple(c.values for c in layers)
+            else:
+                raise ValueError("the cache has no attractor keys/values for the earlier tokens (they were computed "
+                                 "with readout_iters=0); generate with the same readout_iters throughout.")
+        fp_kwargs = fixed_point_kwargs(self.config, self.training, fp_overrides)
+        if readout_iters is not None:
+            fp_kwargs["max_iter"] = readout_iters
+            fp_kwargs["min_iter"] = min(fp_kwargs["min_iter"], readout_iters)
+        if fp_kwargs["backward"] == "ift" and self.config.adjoint_clip is not None:
+            fp_kwargs["backward_kwargs"]["clip"] = self.config.adjoint_clip
+        y_star, stats = fixed_point(self.attractor_map, y0, args=(y0, cos, sin, mask, *past), batch_dims=2,
+                                    compact=True, **fp_kwargs)
+        if past_key_values is not None:  # write the attractor's keys/values once, at the fixed point
+            with torch.no_grad():
+                self.attractor_map(y_star.detach(), y0.detach(), cos, sin, mask, cache=past_key_values)
+        return AttractorModelOutput(last_hidden_state=self.norm(y_star), proposal=y0, attractor_state=y_star,
+                                    past_key_values=past_key_values, fp_stats=stats)
+
+
+class AttractorForCausalLM(AttractorPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: AttractorConfig):
+        super().__init__(config)
+        self.model = AttractorModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.LongTensor] = None,
+        past_key_values: Optional[Cache] = None,
+        inputs_embeds: Optional[torch.FloatTensor] = None,
+        labels: Optional[torch.LongTensor] = None,
+        use_cache: Optional[bool] = None,
+        logits_to_keep: int = 0,
+        fp_overrides: Optional[dict] = None,
+        readout_iters: Optional[int] = None,
+        **kwargs,
+    ) -> AttractorCausalLMOutput:
+        """``fp_overrides`` (e.g. ``{"fp_max_iter": 32}``) and ``readout_iters`` (0: decode the backbone proposal,
+        ``k``: at most ``k`` solver iterations) change this call only; ``generate`` passes them to every step."""
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                         fp_overrides=fp_overrides, readout_iters=readout_iters)
+        hidden = out.last_hidden_state
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        logits = self.lm_head(hidden)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
+        return AttractorCausalLMOutput(loss=loss, logits=logits, past_key_values=out.past_key_values,
+                                       fp_stats=out.fp_stats)
+
+
+__all__ = ["AttractorForCausalLM", "AttractorModel", "AttractorPreTrainedModel"]
