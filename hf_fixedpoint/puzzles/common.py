@@ -1,0 +1,174 @@
+"""Shared pieces of the puzzle data layer: metadata, the task registry, seeding, dihedral transforms.
+
+Every task returns ``datasets.Dataset`` rows in the token format of the TRM/HRM research code (PAD = 0, one
+``puzzle_identifiers`` id per row, id 0 = blank) with labels already mapped to ``-100`` where they are not
+supervised, so a batch can go straight into a cross-entropy loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Tuple
+
+import numpy as np
+
+from ..core.fp_registry import Registry, check_choice
+
+IGNORE_LABEL_ID = -100
+SPLITS = ("train", "test")
+
+TASKS = Registry("puzzle task")
+"""``name -> builder``; a builder is ``fn(split, *, seed, **task_kwargs) -> (columns, PuzzleMetadata)``."""
+
+# Version of the generators' output. Bump it when a generator changes so old caches are not reused.
+DATA_VERSION = 1
+
+
+@dataclass
+class PuzzleMetadata:
+    """What a model needs to know about a puzzle dataset; store it in the model config with :meth:`to_dict`.
+
+    ``vocab_size`` counts every token id including PAD; ``seq_len`` is the length of ``inputs`` / ``labels``;
+    ``num_puzzle_identifiers`` is the size of the puzzle-embedding table (id 0 = ``blank_identifier_id``);
+    ``grid_shape`` is ``(rows, cols)`` when ``seq_len`` is a row-major grid (2-D convolution variants), else None.
+    ``num_groups`` counts original puzzles (augmented copies share a group). ``difficulty`` names the column that
+    measures difficulty (used by :func:`hf_fixedpoint.puzzles.evaluation.iterations_vs_difficulty`).
+    """
+
+    task: str
+    vocab_size: int
+    seq_len: int
+    num_puzzle_identifiers: int = 1
+    pad_id: int = 0
+    ignore_label_id: int = IGNORE_LABEL_ID
+    blank_identifier_id: int = 0
+    grid_shape: Optional[Tuple[int, int]] = None
+    split: str = "train"
+    num_examples: int = 0
+    num_groups: int = 0
+    difficulty: Optional[str] = None
+    token_names: Optional[Tuple[str, ...]] = None
+    build_kwargs: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.grid_shape is not None:
+            self.grid_shape = tuple(int(s) for s in self.grid_shape)
+            if self.grid_shape[0] * self.grid_shape[1] != self.seq_len:
+                raise ValueError(f"grid_shape={self.grid_shape} does not multiply to seq_len={self.seq_len}.")
+        if self.token_names is not None:
+            self.token_names = tuple(self.token_names)
+            if len(self.token_names) != self.vocab_size:
+                raise ValueError(f"token_names has {len(self.token_names)} entries, vocab_size={self.vocab_size}.")
+
+    def to_dict(self) -> dict:
+        """JSON-serialisable dict (tuples become lists), e.g. for ``config.puzzle_metadata``."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PuzzleMetadata":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"PuzzleMetadata.from_dict got unknown keys {unknown}. Allowed keys: {sorted(names)}.")
+        return cls(**d)
+
+
+def register_task(name: str):
+    """Decorator adding a builder to :data:`TASKS`."""
+    return TASKS.register(name)
+
+
+def split_rng(task: str, split: str, seed: int, stream: str = "") -> np.random.Generator:
+    """Independent, reproducible generator per ``(task, split, seed, stream)``; train and test never share draws."""
+    check_choice(split, "split", SPLITS)
+    key = zlib.crc32(f"{task}/{stream}".encode())
+    return np.random.default_rng(np.random.SeedSequence([int(seed), SPLITS.index(split), key]))
+
+
+def _cache_path(cache_dir, task: str, split: str, seed: int, kwargs: dict) -> str:
+    blob = json.dumps({"v": DATA_VERSION, "task": task, "split": split, "seed": seed, "kw": kwargs}, sort_keys=True,
+                      default=str)
+    return os.path.join(os.fspath(cache_dir), f"{task}-{split}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}")
+
+
+def _features(columns: dict, seq_len: int):
+    """Arrow schema: fixed-length int32 ``inputs``/``labels``; other columns typed from their numpy dtype."""
+    import datasets
+
+    features = {}
+    for name, col in columns.items():
+        if name in ("inputs", "labels"):
+            features[name] = datasets.List(datasets.Value("int32"), length=seq_len)
+        elif isinstance(col, np.ndarray) and col.ndim == 2:
+            features[name] = datasets.List(datasets.Value("int64"))
+        elif isinstance(col, np.ndarray):
+            features[name] = datasets.Value("bool" if col.dtype.kind == "b" else "int64")
+        else:
+            features[name] = datasets.Value("string")
+    return datasets.Features(features)
+
+
+def build_dataset(task: str, split: str, *, seed: int = 0, cache_dir=None, **task_kwargs):
+    """Build one split of a puzzle task: returns ``(datasets.Dataset, PuzzleMetadata)``.
+
+    Columns: ``inputs`` and ``labels`` (``seq_len`` ints each; unsupervised label positions hold
+    ``metadata.ignore_label_id`` = -100), ``puzzle_identifiers`` (int), plus task columns (``difficulty``,
+    ``group``, ``aug_id``...). The same ``(task, split, seed, task_kwargs)`` always gives the same rows.
+    ``cache_dir``: if given, the built split is saved there (``save_to_disk``) and reloaded on the next call with
+    the same arguments. Task options are listed in ``docs/puzzles.md`` and in each builder's docstring.
+    """
+    import datasets
+
+    builder: Callable = TASKS.get(task)
+    check_choice(split, "split", SPLITS)
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise ValueError(f"seed must be an integer, got {seed!r}.")
+    seed = int(seed)
+    cacheable = cache_dir is not None and not any(k.endswith("path") and v is not None for k, v in task_kwargs.items())
+    if cacheable:
+        path = _cache_path(cache_dir, task, split, seed, task_kwargs)
+        if os.path.exists(os.path.join(path, "puzzle_metadata.json")):
+            with open(os.path.join(path, "puzzle_metadata.json")) as f:
+                meta = PuzzleMetadata.from_dict(json.load(f))
+            return datasets.load_from_disk(path), meta
+    columns, meta = builder(split, seed=seed, **task_kwargs)
+    ds = datasets.Dataset.from_dict(columns, features=_features(columns, meta.seq_len))
+    meta.split, meta.num_examples = split, len(ds)
+    meta.build_kwargs = json.loads(json.dumps({"seed": seed, **task_kwargs}, default=str))
+    if cacheable:
+        ds.save_to_disk(path)
+        with open(os.path.join(path, "puzzle_metadata.json"), "w") as f:
+            json.dump(meta.to_dict(), f)
+    return ds, meta
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Dihedral group of the square, in the research code's numbering (so ARC "t" ids mean the same thing):
+# 0 identity, 1 rot90, 2 rot180, 3 rot270 (counter-clockwise, np.rot90), 4 left-right flip, 5 up-down flip,
+# 6 transpose, 7 anti-transpose.
+DIHEDRAL_INVERSE = (0, 3, 2, 1, 4, 5, 6, 7)
+
+
+def dihedral(grid: np.ndarray, t: int) -> np.ndarray:
+    """Apply dihedral transform ``t`` (0..7) to the last two axes of ``grid``."""
+    check_choice(t, "dihedral transform id", range(8))
+    axes = (-2, -1)
+    if t < 4:
+        return np.rot90(grid, k=t, axes=axes)
+    if t == 4:
+        return np.flip(grid, axis=-1)
+    if t == 5:
+        return np.flip(grid, axis=-2)
+    if t == 6:
+        return np.swapaxes(grid, -1, -2)
+    return np.flip(np.rot90(grid, k=1, axes=axes), axis=-1)
+
+
+def inverse_dihedral(grid: np.ndarray, t: int) -> np.ndarray:
+    """Undo :func:`dihedral` ``t``."""
+    return dihedral(grid, DIHEDRAL_INVERSE[t])
