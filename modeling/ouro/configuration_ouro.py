@@ -33,6 +33,8 @@ class OuroConfig(PretrainedConfig):
             cross-entropy of the exit-probability-weighted mixture of per-loop logits), ``"expected_loss"`` (paper
             stage I: ``sum_t p_t * CE_t - entropy_weight * H(p)``) or ``"last"`` (cross-entropy of the last loop).
         entropy_weight: beta of the entropy bonus in ``"expected_loss"``.
+        pad_token_id, bos_token_id, eos_token_id: special tokens (the released configs set all three to 0; the
+            ChatML tokenizer uses bos 1, eos 2 -- check the checkpoint's tokenizer).
 
     Example:
         >>> config = OuroConfig(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -82,6 +84,9 @@ class OuroConfig(PretrainedConfig):
         early_exit_step: int = None,
         exit_loss: str = "expected_logits",
         entropy_weight: float = 0.0,
+        pad_token_id: int = None,
+        bos_token_id: int = None,
+        eos_token_id: int = None,
         **kwargs,
     ):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -124,6 +129,7 @@ class OuroConfig(PretrainedConfig):
         self.early_exit_step = early_exit_step
         self.exit_loss = exit_loss
         self.entropy_weight = entropy_weight
+        self.pad_token_id, self.bos_token_id, self.eos_token_id = pad_token_id, bos_token_id, eos_token_id
         # Upstream's rope_theta / rope_scaling become transformers-5's rope_parameters (the base class converts them).
         super().__init__(tie_word_embeddings=tie_word_embeddings, rope_theta=rope_theta, rope_scaling=rope_scaling,
                          **kwargs)
