@@ -6,15 +6,35 @@ folder imports only torch, transformers and its own sibling files -- never ``hf_
 loads with ``trust_remote_code=True`` where hf-fixedpoint is not installed.
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    AutoModelForQuestionAnswering,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
 
 from .attractor_lm import AttractorConfig, AttractorForCausalLM, AttractorModel
 from .deq_lm import DEQLMConfig, DEQLMForCausalLM, DEQLMModel
+from .fpsa_bert import (
+    FPSABertConfig,
+    FPSABertForMaskedLM,
+    FPSABertForQuestionAnswering,
+    FPSABertForSequenceClassification,
+    FPSABertForTokenClassification,
+    FPSABertModel,
+)
 
 # (config class, [(Auto class, model class), ...]) for every family.
 FAMILIES = [
     (AttractorConfig, [(AutoModel, AttractorModel), (AutoModelForCausalLM, AttractorForCausalLM)]),
     (DEQLMConfig, [(AutoModel, DEQLMModel), (AutoModelForCausalLM, DEQLMForCausalLM)]),
+    (FPSABertConfig, [(AutoModel, FPSABertModel), (AutoModelForMaskedLM, FPSABertForMaskedLM),
+                      (AutoModelForSequenceClassification, FPSABertForSequenceClassification),
+                      (AutoModelForTokenClassification, FPSABertForTokenClassification),
+                      (AutoModelForQuestionAnswering, FPSABertForQuestionAnswering)]),
 ]
 
 
@@ -37,4 +57,10 @@ __all__ = [
     "DEQLMConfig",
     "DEQLMForCausalLM",
     "DEQLMModel",
+    "FPSABertConfig",
+    "FPSABertForMaskedLM",
+    "FPSABertForQuestionAnswering",
+    "FPSABertForSequenceClassification",
+    "FPSABertForTokenClassification",
+    "FPSABertModel",
 ]

@@ -1,0 +1,57 @@
+"""Configuration of FPSA-BERT: BERT whose self-attention layers are Fixed-Point Self-Attention (FPSA) loops.
+
+Every ``BertConfig`` field keeps its meaning, so any BERT ``config.json`` + checkpoint loads with unchanged weight
+names; the ``fp_*`` knobs (solver, ``fp_tol``, ``fp_max_iter``, backward mode...) and the ``fpsa_*`` knobs
+(update form, temperature, spectral norm, learned halting) are added on top.
+"""
+
+from transformers import BertConfig
+
+from .fp_fpsa import FPSA_FP_DEFAULTS, pop_fpsa_kwargs
+from .fp_settings import pop_fp_kwargs
+
+# Checkpoints whose config this class accepts: plain BERT (a retrofit) and FPSA-BERT itself.
+COMPATIBLE_MODEL_TYPES = ("bert", "fpsa_bert")
+
+
+class FPSABertConfig(BertConfig):
+    r"""
+    Args:
+        **BertConfig fields**: ``vocab_size``, ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads`` (must
+            divide ``hidden_size``), ``intermediate_size``, ...
+        fp_*: fixed-point settings (``fp_settings.FP_DEFAULTS``); FPSA defaults: ``fp_solver="picard"``,
+            ``fp_tol=1e-3`` (relative change per token and head), ``fp_max_iter=16`` (counts the exact first step;
+            ``fp_max_iter=1`` is the original BERT).
+        fpsa_*: FPSA settings (``fp_fpsa.FPSA_DEFAULTS``): ``fpsa_update`` (``residual_norm`` | ``plain``),
+            ``fpsa_step_norm`` (``none`` | ``tanh``), ``fpsa_learn_temperature``, ``fpsa_spectral_norm``
+            (``none`` | ``qk`` | ``qko``), ``fpsa_adjoint_mask``, ``fpsa_halting`` (``tolerance`` | ``learned``),
+            ``fpsa_ponder_budget``, ``fpsa_ponder_weight``, ``fpsa_halt_threshold``.
+
+    Example:
+        >>> config = FPSABertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        ...                         intermediate_size=37, fp_max_iter=8)
+    """
+
+    model_type = "fpsa_bert"
+
+    def __init__(self, **kwargs):
+        for key, value in {**pop_fp_kwargs(kwargs, FPSA_FP_DEFAULTS), **pop_fpsa_kwargs(kwargs)}.items():
+            setattr(self, key, value)
+        super().__init__(**kwargs)
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size={self.hidden_size} must be divisible by "
+                             f"num_attention_heads={self.num_attention_heads}.")
+        if self.is_decoder or self.add_cross_attention:
+            raise ValueError("FPSA-BERT is an encoder: is_decoder and add_cross_attention must be False.")
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        model_type = config_dict.get("model_type")
+        if model_type is not None and model_type not in COMPATIBLE_MODEL_TYPES:
+            raise ValueError(f"{cls.__name__} loads BERT checkpoints: the checkpoint's model_type={model_type!r} is "
+                             f"not one of {COMPATIBLE_MODEL_TYPES}.")
+        # A BERT checkpoint becomes an FPSA-BERT config (model_type is the class's, not an instance attribute).
+        return super().from_dict({k: v for k, v in config_dict.items() if k != "model_type"}, **kwargs)
+
+
+__all__ = ["FPSABertConfig"]
