@@ -6,7 +6,34 @@ Not imported by ``import hf_fixedpoint``: it needs numpy and datasets (``pip ins
     >>> ds, meta = build_dataset("a5", "train", num_samples=8, length=32)
 """
 
-from . import a5, sudoku  # noqa: F401  (register their tasks)
+from . import a5, arc, maze, sudoku  # noqa: F401  (register their tasks)
 from .common import IGNORE_LABEL_ID, TASKS, PuzzleMetadata, build_dataset, dihedral, inverse_dihedral
+from .evaluation import (
+    arc_pass_at_k,
+    arc_submission,
+    arc_vote,
+    cell_accuracy,
+    exact_accuracy,
+    format_table,
+    iterations_vs_difficulty,
+    plot_iterations_vs_difficulty,
+    sequence_correct,
+)
 
-__all__ = ["IGNORE_LABEL_ID", "TASKS", "PuzzleMetadata", "build_dataset", "dihedral", "inverse_dihedral"]
+__all__ = [
+    "IGNORE_LABEL_ID",
+    "TASKS",
+    "PuzzleMetadata",
+    "arc_pass_at_k",
+    "arc_submission",
+    "arc_vote",
+    "build_dataset",
+    "cell_accuracy",
+    "dihedral",
+    "exact_accuracy",
+    "format_table",
+    "inverse_dihedral",
+    "iterations_vs_difficulty",
+    "plot_iterations_vs_difficulty",
+    "sequence_correct",
+]
