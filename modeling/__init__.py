@@ -18,6 +18,7 @@ from transformers import (
 
 from .attractor_lm import AttractorConfig, AttractorForCausalLM, AttractorModel
 from .deq_lm import DEQLMConfig, DEQLMForCausalLM, DEQLMModel
+from .fprm import FPRMConfig, FPRMForPuzzles, FPRMModel
 from .fpsa_bert import (
     FPSABertConfig,
     FPSABertForMaskedLM,
@@ -26,11 +27,17 @@ from .fpsa_bert import (
     FPSABertForTokenClassification,
     FPSABertModel,
 )
+from .trm import TRMConfig, TRMForPuzzles, TRMModel
+from .urm import URMConfig, URMForPuzzles, URMModel
 
 # (config class, [(Auto class, model class), ...]) for every family.
 FAMILIES = [
     (AttractorConfig, [(AutoModel, AttractorModel), (AutoModelForCausalLM, AttractorForCausalLM)]),
     (DEQLMConfig, [(AutoModel, DEQLMModel), (AutoModelForCausalLM, DEQLMForCausalLM)]),
+    # Puzzle reasoners: per-cell prediction over the puzzle tokens, i.e. token classification.
+    (FPRMConfig, [(AutoModel, FPRMModel), (AutoModelForTokenClassification, FPRMForPuzzles)]),
+    (TRMConfig, [(AutoModel, TRMModel), (AutoModelForTokenClassification, TRMForPuzzles)]),
+    (URMConfig, [(AutoModel, URMModel), (AutoModelForTokenClassification, URMForPuzzles)]),
     (FPSABertConfig, [(AutoModel, FPSABertModel), (AutoModelForMaskedLM, FPSABertForMaskedLM),
                       (AutoModelForSequenceClassification, FPSABertForSequenceClassification),
                       (AutoModelForTokenClassification, FPSABertForTokenClassification),
@@ -57,10 +64,19 @@ __all__ = [
     "DEQLMConfig",
     "DEQLMForCausalLM",
     "DEQLMModel",
+    "FPRMConfig",
+    "FPRMForPuzzles",
+    "FPRMModel",
     "FPSABertConfig",
     "FPSABertForMaskedLM",
     "FPSABertForQuestionAnswering",
     "FPSABertForSequenceClassification",
     "FPSABertForTokenClassification",
     "FPSABertModel",
+    "TRMConfig",
+    "TRMForPuzzles",
+    "TRMModel",
+    "URMConfig",
+    "URMForPuzzles",
+    "URMModel",
 ]
