@@ -27,6 +27,7 @@ from .fpsa_bert import (
     FPSABertForTokenClassification,
     FPSABertModel,
 )
+from .ouro import OuroConfig, OuroForCausalLM, OuroModel
 from .trm import TRMConfig, TRMForPuzzles, TRMModel
 from .urm import URMConfig, URMForPuzzles, URMModel
 
@@ -34,6 +35,7 @@ from .urm import URMConfig, URMForPuzzles, URMModel
 FAMILIES = [
     (AttractorConfig, [(AutoModel, AttractorModel), (AutoModelForCausalLM, AttractorForCausalLM)]),
     (DEQLMConfig, [(AutoModel, DEQLMModel), (AutoModelForCausalLM, DEQLMForCausalLM)]),
+    (OuroConfig, [(AutoModel, OuroModel), (AutoModelForCausalLM, OuroForCausalLM)]),
     # Puzzle reasoners: per-cell prediction over the puzzle tokens, i.e. token classification.
     (FPRMConfig, [(AutoModel, FPRMModel), (AutoModelForTokenClassification, FPRMForPuzzles)]),
     (TRMConfig, [(AutoModel, TRMModel), (AutoModelForTokenClassification, TRMForPuzzles)]),
@@ -73,6 +75,9 @@ __all__ = [
     "FPSABertForSequenceClassification",
     "FPSABertForTokenClassification",
     "FPSABertModel",
+    "OuroConfig",
+    "OuroForCausalLM",
+    "OuroModel",
     "TRMConfig",
     "TRMForPuzzles",
     "TRMModel",
