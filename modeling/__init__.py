@@ -10,6 +10,7 @@ from transformers import (
     AutoConfig,
     AutoModel,
     AutoModelForCausalLM,
+    AutoModelForImageClassification,
     AutoModelForMaskedLM,
     AutoModelForQuestionAnswering,
     AutoModelForSequenceClassification,
@@ -27,6 +28,7 @@ from .fpsa_bert import (
     FPSABertForTokenClassification,
     FPSABertModel,
 )
+from .fpsa_vit import FPSAViTConfig, FPSAViTForImageClassification, FPSAViTModel
 from .ouro import OuroConfig, OuroForCausalLM, OuroModel
 from .trm import TRMConfig, TRMForPuzzles, TRMModel
 from .urm import URMConfig, URMForPuzzles, URMModel
@@ -44,6 +46,8 @@ FAMILIES = [
                       (AutoModelForSequenceClassification, FPSABertForSequenceClassification),
                       (AutoModelForTokenClassification, FPSABertForTokenClassification),
                       (AutoModelForQuestionAnswering, FPSABertForQuestionAnswering)]),
+    (FPSAViTConfig, [(AutoModel, FPSAViTModel),
+                     (AutoModelForImageClassification, FPSAViTForImageClassification)]),
 ]
 
 
@@ -75,6 +79,9 @@ __all__ = [
     "FPSABertForSequenceClassification",
     "FPSABertForTokenClassification",
     "FPSABertModel",
+    "FPSAViTConfig",
+    "FPSAViTForImageClassification",
+    "FPSAViTModel",
     "OuroConfig",
     "OuroForCausalLM",
     "OuroModel",

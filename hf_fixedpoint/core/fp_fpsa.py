@@ -96,6 +96,22 @@ def pop_fpsa_kwargs(kwargs: dict) -> dict:
     return settings
 
 
+def retrofit_config_dict(config_class, config_dict: dict, compatible) -> dict:
+    """A checkpoint's config dict for an FPSA config class: its ``model_type`` must be in ``compatible`` (the base
+    family or FPSA's own), and it is dropped so the FPSA class's own ``model_type`` applies."""
+    model_type = config_dict.get("model_type")
+    if model_type is not None and model_type not in compatible:
+        raise ValueError(f"{config_class.__name__} cannot load this checkpoint: its model_type={model_type!r} is not "
+                         f"one of {tuple(compatible)}.")
+    return {k: v for k, v in config_dict.items() if k != "model_type"}
+
+
+def check_heads(config) -> None:
+    if config.hidden_size % config.num_attention_heads:
+        raise ValueError(f"hidden_size={config.hidden_size} must be divisible by "
+                         f"num_attention_heads={config.num_attention_heads}.")
+
+
 @dataclass
 class FPSAStats:
     """Iteration statistics of every FPSA layer of one forward pass.
@@ -401,6 +417,43 @@ def warm_up_spectral_norm(module: nn.Module, n_iter: int = 15) -> None:
                 p._power_method(w, n_iter)
 
 
+def init_fpsa_weights(model: nn.Module, module: nn.Module) -> None:
+    """The FPSA part of a model's ``_init_weights``: temperature 1, halting gate at the ponder budget, and a fresh
+    power iteration for spectral-norm vectors a checkpoint lacked (``from_pretrained`` calls it after loading)."""
+    if isinstance(getattr(module, "fpsa_log_tau", None), nn.Parameter):
+        module.fpsa_log_tau.zero_()  # tau = 1: the base model's softmax scale
+    elif isinstance(module, FPSAHaltingGate):
+        module.reset_parameters(model.config.fpsa_ponder_budget)
+    elif type(module).__name__ == "_SpectralNorm":
+        owner = next(m for m in model.modules()
+                     if any(p is module for p in getattr(getattr(m, "parametrizations", {}), "weight", ())))
+        warm_up_spectral_norm(owner)
+
+
+class FPSAHeadMixin:
+    """Put before a transformers head class (``BertForX``, ``ViTForX``) whose base model is an FPSA model: runs the
+    head's own ``forward`` with an ``FPSAStats`` threaded through the base model, returns ``output_class`` (the head's
+    output plus ``fp_stats``) and, with learned halting, adds the ponder loss to the task loss."""
+
+    output_class = None
+
+    def fpsa_margin_fn(self) -> Optional[Callable]:
+        """Learned halting: the task head applied to an iterate, for the logit-margin feature (None: no margin)."""
+        return None
+
+    def forward(self, *args, fp_overrides: Optional[dict] = None, **kwargs):
+        stats = FPSAStats()
+        learned = self.config.fpsa_halting == "learned"
+        if learned and self.fpsa_margin_fn() is not None:
+            kwargs["fpsa_margin_fn"] = self.fpsa_margin_fn()
+        kwargs["return_dict"] = True
+        out = self.output_class(**super().forward(*args, fp_overrides=fp_overrides, fpsa_stats=stats, **kwargs),
+                                fp_stats=stats)
+        if out.loss is not None and learned:
+            out.loss = out.loss + ponder_loss(stats, self.config.fpsa_ponder_budget, self.config.fpsa_ponder_weight)
+        return out
+
+
 def remove_spectral_norm(model: nn.Module) -> None:
     """Fold every spectral-norm parametrization of ``model`` into a plain weight (the value used in ``eval()``)."""
     was_training = model.training
@@ -419,13 +472,17 @@ __all__ = [
     "STEP_NORMS",
     "UPDATE_FORMS",
     "FPSAHaltingGate",
+    "FPSAHeadMixin",
     "FPSAResult",
     "FPSAStats",
     "apply_spectral_norm",
     "check_fpsa_settings",
+    "check_heads",
     "fpsa_attention",
+    "init_fpsa_weights",
     "ponder_loss",
     "pop_fpsa_kwargs",
     "remove_spectral_norm",
+    "retrofit_config_dict",
     "warm_up_spectral_norm",
 ]

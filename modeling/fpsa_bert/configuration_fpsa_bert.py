@@ -7,7 +7,7 @@ names; the ``fp_*`` knobs (solver, ``fp_tol``, ``fp_max_iter``, backward mode...
 
 from transformers import BertConfig
 
-from .fp_fpsa import FPSA_FP_DEFAULTS, pop_fpsa_kwargs
+from .fp_fpsa import FPSA_FP_DEFAULTS, check_heads, pop_fpsa_kwargs, retrofit_config_dict
 from .fp_settings import pop_fp_kwargs
 
 # Checkpoints whose config this class accepts: plain BERT (a retrofit) and FPSA-BERT itself.
@@ -38,20 +38,13 @@ class FPSABertConfig(BertConfig):
         for key, value in {**pop_fp_kwargs(kwargs, FPSA_FP_DEFAULTS), **pop_fpsa_kwargs(kwargs)}.items():
             setattr(self, key, value)
         super().__init__(**kwargs)
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"hidden_size={self.hidden_size} must be divisible by "
-                             f"num_attention_heads={self.num_attention_heads}.")
+        check_heads(self)
         if self.is_decoder or self.add_cross_attention:
             raise ValueError("FPSA-BERT is an encoder: is_decoder and add_cross_attention must be False.")
 
     @classmethod
     def from_dict(cls, config_dict, **kwargs):
-        model_type = config_dict.get("model_type")
-        if model_type is not None and model_type not in COMPATIBLE_MODEL_TYPES:
-            raise ValueError(f"{cls.__name__} loads BERT checkpoints: the checkpoint's model_type={model_type!r} is "
-                             f"not one of {COMPATIBLE_MODEL_TYPES}.")
-        # A BERT checkpoint becomes an FPSA-BERT config (model_type is the class's, not an instance attribute).
-        return super().from_dict({k: v for k, v in config_dict.items() if k != "model_type"}, **kwargs)
+        return super().from_dict(retrofit_config_dict(cls, config_dict, COMPATIBLE_MODEL_TYPES), **kwargs)
 
 
 __all__ = ["FPSABertConfig"]

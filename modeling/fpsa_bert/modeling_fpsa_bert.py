@@ -46,11 +46,11 @@ from transformers.models.bert.modeling_bert import (
 from .configuration_fpsa_bert import FPSABertConfig
 from .fp_fpsa import (
     FPSAHaltingGate,
+    FPSAHeadMixin,
     FPSAStats,
     apply_spectral_norm,
     fpsa_attention,
-    ponder_loss,
-    warm_up_spectral_norm,
+    init_fpsa_weights,
 )
 from .fp_settings import fixed_point_kwargs
 
@@ -156,13 +156,7 @@ class FPSABertPreTrainedModel(BertPreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)
-        if isinstance(module, FPSABertSelfAttention) and module.fpsa_log_tau is not None:
-            module.fpsa_log_tau.zero_()  # tau = 1: the base model's softmax scale
-        elif isinstance(module, FPSAHaltingGate):
-            module.reset_parameters(self.config.fpsa_ponder_budget)
-        elif type(module).__name__ == "_SpectralNorm":  # its _u/_v buffers: restart the power iteration
-            warm_up_spectral_norm(next(m for m in self.modules() if any(p is module for p in getattr(
-                getattr(m, "parametrizations", {}), "weight", ()))))
+        init_fpsa_weights(self, module)
 
 
 @dataclass
@@ -197,27 +191,6 @@ class FPSABertModel(FPSABertPreTrainedModel, BertModel):
         return FPSABertModelOutput(**out, fp_stats=stats)
 
 
-class _FPSAHeadMixin:
-    """Runs a BERT head class's own ``forward`` with the FPSA statistics threaded through ``self.bert``."""
-
-    output_class = None
-
-    def _margin_fn(self):
-        """Learned halting: the task head's logits on an iterate, for the logit-margin feature (None: no margin)."""
-        return None
-
-    def forward(self, *args, fp_overrides: Optional[dict] = None, **kwargs):
-        stats = FPSAStats()
-        if self.config.fpsa_halting == "learned" and self._margin_fn() is not None:
-            kwargs["fpsa_margin_fn"] = self._margin_fn()
-        kwargs["return_dict"] = True
-        out = super().forward(*args, fp_overrides=fp_overrides, fpsa_stats=stats, **kwargs)
-        out = self.output_class(**out, fp_stats=stats)
-        if out.loss is not None and self.config.fpsa_halting == "learned":
-            out.loss = out.loss + ponder_loss(stats, self.config.fpsa_ponder_budget, self.config.fpsa_ponder_weight)
-        return out
-
-
 @dataclass
 class FPSAMaskedLMOutput(MaskedLMOutput):
     fp_stats: Optional[FPSAStats] = None
@@ -238,7 +211,7 @@ class FPSAQuestionAnsweringModelOutput(QuestionAnsweringModelOutput):
     fp_stats: Optional[FPSAStats] = None
 
 
-class FPSABertForMaskedLM(_FPSAHeadMixin, FPSABertPreTrainedModel, BertForMaskedLM):
+class FPSABertForMaskedLM(FPSAHeadMixin, FPSABertPreTrainedModel, BertForMaskedLM):
     output_class = FPSAMaskedLMOutput
 
     def __init__(self, config: FPSABertConfig):
@@ -248,7 +221,7 @@ class FPSABertForMaskedLM(_FPSAHeadMixin, FPSABertPreTrainedModel, BertForMasked
         self.post_init()
 
 
-class FPSABertForSequenceClassification(_FPSAHeadMixin, FPSABertPreTrainedModel, BertForSequenceClassification):
+class FPSABertForSequenceClassification(FPSAHeadMixin, FPSABertPreTrainedModel, BertForSequenceClassification):
     output_class = FPSASequenceClassifierOutput
 
     def __init__(self, config: FPSABertConfig):
@@ -262,7 +235,7 @@ class FPSABertForSequenceClassification(_FPSAHeadMixin, FPSABertPreTrainedModel,
         self.post_init()
 
 
-class FPSABertForTokenClassification(_FPSAHeadMixin, FPSABertPreTrainedModel, BertForTokenClassification):
+class FPSABertForTokenClassification(FPSAHeadMixin, FPSABertPreTrainedModel, BertForTokenClassification):
     output_class = FPSATokenClassifierOutput
 
     def __init__(self, config: FPSABertConfig):
@@ -274,11 +247,11 @@ class FPSABertForTokenClassification(_FPSAHeadMixin, FPSABertPreTrainedModel, Be
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
-    def _margin_fn(self):
+    def fpsa_margin_fn(self):
         return self.classifier
 
 
-class FPSABertForQuestionAnswering(_FPSAHeadMixin, FPSABertPreTrainedModel, BertForQuestionAnswering):
+class FPSABertForQuestionAnswering(FPSAHeadMixin, FPSABertPreTrainedModel, BertForQuestionAnswering):
     output_class = FPSAQuestionAnsweringModelOutput
 
     def __init__(self, config: FPSABertConfig):

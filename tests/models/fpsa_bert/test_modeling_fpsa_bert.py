@@ -272,5 +272,5 @@ def test_bad_input_errors(tmp_path):
         FPSABertConfig(**TINY, is_decoder=True)
     ViTModel(ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=37,
                        image_size=16, patch_size=8)).save_pretrained(tmp_path / "vit")
-    with pytest.raises(ValueError, match="model_type='vit' is not one of"):
+    with pytest.raises(ValueError, match="model_type=.vit. is not one of"):
         FPSABertModel.from_pretrained(tmp_path / "vit")

@@ -1,0 +1,148 @@
+"""FPSA-ViT (SELF-ViT): transformers' ViT with every self-attention layer replaced by Fixed-Point Self-Attention.
+
+``q_proj``/``k_proj``/``v_proj``/``o_proj`` keep their names and places, so ViT checkpoints load, including those
+saved with the transformers-4 names (``encoder.layer.N.attention.attention.query``...): transformers converts those for
+``ViTModel`` only and skips the conversion for custom classes, so this file registers the same conversion for
+``FPSAViTModel``. With ``fp_max_iter=1`` the model computes exactly what the ViT checkpoint computes.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+from transformers import ViTForImageClassification, ViTModel, ViTPreTrainedModel
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
+from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClassifierOutput
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.vit.modeling_vit import (
+    ViTAttention,
+    ViTEmbeddings,
+    ViTLayer,
+    ViTPooler,
+    eager_attention_forward,
+)
+
+from .configuration_fpsa_vit import FPSAViTConfig
+from .fp_fpsa import (
+    FPSAHaltingGate,
+    FPSAHeadMixin,
+    FPSAStats,
+    apply_spectral_norm,
+    fpsa_attention,
+    init_fpsa_weights,
+)
+from .fp_settings import fixed_point_kwargs
+
+# Old (transformers 4) ViT checkpoints: the renaming transformers applies to ViTModel, for our class name too.
+register_checkpoint_conversion_mapping("FPSAViTModel", get_checkpoint_conversion_mapping("ViTModel"), overwrite=True)
+
+
+class FPSAViTAttention(ViTAttention):
+    """``ViTAttention`` run as an FPSA loop; the layer passes its residual stream and input norm for the iterate."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        heads = config.num_attention_heads
+        self.fpsa_log_tau = nn.Parameter(torch.zeros(heads)) if config.fpsa_learn_temperature else None
+        self.fpsa_halt_gate = FPSAHaltingGate(heads) if config.fpsa_halting == "learned" else None
+        if config.fpsa_spectral_norm != "none":
+            apply_spectral_norm([self.q_proj, self.k_proj] + ([self.o_proj] if config.fpsa_spectral_norm == "qko"
+                                                              else []))
+
+    def forward(self, hidden_states, attention_mask=None, *, fpsa_residual: torch.Tensor, fpsa_norm: nn.Module,
+                fpsa_fp_kwargs: Optional[dict] = None, fpsa_stats: Optional[FPSAStats] = None, fpsa_margin_fn=None,
+                fp_overrides: Optional[dict] = None, **kwargs):
+        config = self.config
+        if fpsa_fp_kwargs is None:
+            fpsa_fp_kwargs = fixed_point_kwargs(config, self.training, fp_overrides)
+
+        def split(t):  # (B, T, H * d) -> (B, H, T, d)
+            return t.view(*t.shape[:-1], -1, self.head_dim).transpose(1, 2)
+
+        learned = config.fpsa_halting == "learned"
+        attention_fn = eager_attention_forward if learned else ALL_ATTENTION_FUNCTIONS.get_interface(
+            config._attn_implementation, eager_attention_forward)
+        result = fpsa_attention(
+            self, hidden_states,
+            query=lambda z: split(self.q_proj(z)), key=lambda z: split(self.k_proj(z)),
+            value=split(self.v_proj(hidden_states)), out_proj=self.o_proj, norm=fpsa_norm, residual=fpsa_residual,
+            attention_fn=attention_fn, scaling=self.scaling, fp_kwargs=fpsa_fp_kwargs,
+            attention_mask=attention_mask, log_temperature=self.fpsa_log_tau, update=config.fpsa_update,
+            step_norm=config.fpsa_step_norm, dropout=self.attention_dropout if self.training else 0.0,
+            adjoint_mask=config.fpsa_adjoint_mask, return_weights=bool(kwargs.get("output_attentions")),
+            halting=config.fpsa_halting, halting_gate=self.fpsa_halt_gate, halt_threshold=config.fpsa_halt_threshold,
+            margin_fn=fpsa_margin_fn, attention_kwargs=kwargs,
+        )
+        if fpsa_stats is not None:
+            fpsa_stats.add(result)
+        return self.o_proj(result.output), result.attn_weights
+
+
+class FPSAViTLayer(ViTLayer):
+    def __init__(self, config):
+        super().__init__(config)
+        self.attention = FPSAViTAttention(config)
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        return super().forward(hidden_states, attention_mask, fpsa_residual=hidden_states,
+                               fpsa_norm=self.layernorm_before, **kwargs)
+
+
+class FPSAViTPreTrainedModel(ViTPreTrainedModel):
+    config_class = FPSAViTConfig
+    _no_split_modules = ["ViTEmbeddings", "FPSAViTLayer"]
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        init_fpsa_weights(self, module)
+
+
+@dataclass
+class FPSAViTModelOutput(BaseModelOutputWithPooling):
+    """ViT's output plus ``fp_stats`` (``FPSAStats``)."""
+
+    fp_stats: Optional[FPSAStats] = None
+
+
+@dataclass
+class FPSAImageClassifierOutput(ImageClassifierOutput):
+    fp_stats: Optional[FPSAStats] = None
+
+
+class FPSAViTModel(FPSAViTPreTrainedModel, ViTModel):
+    """``ViTModel`` with FPSA self-attention; ``forward`` takes ``fp_overrides`` and returns ``fp_stats``."""
+
+    def __init__(self, config: FPSAViTConfig, add_pooling_layer: bool = True, use_mask_token: bool = False):
+        ViTPreTrainedModel.__init__(self, config)
+        self.config = config
+        self.embeddings = ViTEmbeddings(config, use_mask_token=use_mask_token)
+        self.layers = nn.ModuleList([FPSAViTLayer(config) for _ in range(config.num_hidden_layers)])
+        self.layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.pooler = ViTPooler(config) if add_pooling_layer else None
+        self.post_init()
+
+    def forward(self, pixel_values=None, bool_masked_pos=None, interpolate_pos_encoding=None, attention_mask=None,
+                fp_overrides: Optional[dict] = None, fpsa_stats: Optional[FPSAStats] = None, **kwargs):
+        stats = FPSAStats() if fpsa_stats is None else fpsa_stats
+        kwargs.pop("return_dict", None)
+        out = super().forward(pixel_values, bool_masked_pos=bool_masked_pos,
+                              interpolate_pos_encoding=interpolate_pos_encoding, attention_mask=attention_mask,
+                              fpsa_fp_kwargs=fixed_point_kwargs(self.config, self.training, fp_overrides),
+                              fpsa_stats=stats, **kwargs)
+        return FPSAViTModelOutput(**out, fp_stats=stats)
+
+
+class FPSAViTForImageClassification(FPSAHeadMixin, FPSAViTPreTrainedModel, ViTForImageClassification):
+    output_class = FPSAImageClassifierOutput
+
+    def __init__(self, config: FPSAViTConfig):
+        ViTPreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.vit = FPSAViTModel(config, add_pooling_layer=False)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels) if config.num_labels > 0 else nn.Identity()
+        self.post_init()
+
+
+__all__ = ["FPSAViTForImageClassification", "FPSAViTModel", "FPSAViTPreTrainedModel"]
