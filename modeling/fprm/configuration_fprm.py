@@ -1,0 +1,111 @@
+"""Configuration of FPRM ("Fixed-Point Reasoners: Stable and Adaptive Deep Looped Transformers", Movahedi et al.)."""
+
+from transformers import PretrainedConfig
+
+from .fp_reasoning import CONV_KINDS, check_puzzle_config
+from .fp_registry import check_choice, check_number
+from .fp_settings import pop_fp_kwargs
+
+RESIDUAL_SCALES = ("learned", "fixed")
+INITS = ("noise", "fixed")
+WINDOW_SOLVERS = ("fpopt", "picard")
+
+# FPRM's solver: damped iteration with patience-based step decay on the relative l-inf residual, threshold 0.1.
+FPRM_FP_DEFAULTS = {"fp_solver": "fpopt", "fp_norm": "linf", "fp_tol": 0.1, "fp_max_iter": 48,
+                    "fp_eval_max_iter": 200, "fp_backward": "bptt", "fp_backward_steps": 6}
+
+
+class FPRMConfig(PretrainedConfig):
+    r"""
+    Shared puzzle fields (also in TRM and URM):
+        vocab_size, seq_len: token vocabulary and puzzle length (from the dataset's ``PuzzleMetadata``).
+        hidden_size, num_attention_heads, expansion, mlp_multiple_of: width, heads, SwiGLU expansion and the multiple
+            the SwiGLU width is rounded up to (256 in the research code).
+        num_puzzle_identifiers, puzzle_emb_len, puzzle_emb_ndim: puzzle-id table size, prefix positions ``P``
+            (0 disables the puzzle embedding) and embedding width (None: ``hidden_size``; at most ``P * hidden``).
+        pos_encodings (``rope`` | ``none``), rope_theta, rms_norm_eps, forward_dtype (``float32`` | ``bfloat16`` |
+            ``float64``: the activation dtype; weights stay float32), grid_shape (``[rows, cols]`` of the puzzle
+            grid, needed by ``conv="2d"``).
+        halt_max_steps, halt_exploration_prob: ACT supervision steps per puzzle and exploration probability.
+        loss_type (``stablemax`` | ``softmax``), q_loss_weight: the ACT loss head.
+
+    FPRM fields:
+        num_layers: pre-norm blocks in the map ``f``.
+        residual_scale: ``learned`` (per-channel ``alpha = sigmoid(theta)``, trained) or ``fixed`` (kept at init).
+        alpha_1_init, alpha_2_init: initial ``alpha_1`` (sublayer residual) and ``alpha_2`` (state injection), in
+            (0, 1). ``beta_2 = 1 - alpha_2 * alpha_1^(2L)``, ``beta_1 = beta_2 (1 - alpha_1) / (1 - alpha_1^(2L))``
+            with ``2L`` sublayers.
+        conv, conv_kernel: short depthwise convolution of the state's grid part (``none`` | ``1d`` | ``2d``).
+        spectral_norm: spectral-normalize every linear layer of the blocks.
+        output_norm: RMS-normalize the output of ``f``.
+        init_mode, init_std: start the solve from truncated-normal noise of std ``init_std`` (``noise``, FPRM) or
+            from a fixed random vector (``fixed``); at evaluation the noise comes from a generator seeded with
+            ``seed``.
+        bptt_window: solver steps with gradient per supervision step (truncated BPTT window).
+        eval_step_decay: the ``fpopt`` step-size decay at evaluation (0.99; training uses ``fp_solver_kwargs``).
+        fp_*: fixed-point settings; FPRM defaults ``fp_solver="fpopt", fp_norm="linf", fp_tol=0.1``,
+            ``fp_max_iter`` (cap on solver steps per puzzle in training), ``fp_eval_max_iter`` (cap at evaluation),
+            ``fp_stop_fraction`` (a training window stops once at most this fraction of the batch is unconverged).
+    """
+
+    model_type = "fprm"
+
+    def __init__(
+        self,
+        vocab_size: int = 11,
+        seq_len: int = 81,
+        hidden_size: int = 64,
+        num_attention_heads: int = 4,
+        expansion: float = 4.0,
+        mlp_multiple_of: int = 64,
+        num_puzzle_identifiers: int = 1,
+        puzzle_emb_len: int = 1,
+        puzzle_emb_ndim: int = None,
+        pos_encodings: str = "rope",
+        rope_theta: float = 10000.0,
+        rms_norm_eps: float = 1e-5,
+        forward_dtype: str = "float32",
+        grid_shape: list = None,
+        halt_max_steps: int = 16,
+        halt_exploration_prob: float = 0.0,
+        loss_type: str = "stablemax",
+        q_loss_weight: float = 0.5,
+        num_layers: int = 2,
+        residual_scale: str = "learned",
+        alpha_1_init: float = 0.75,
+        alpha_2_init: float = 0.25,
+        conv: str = "none",
+        conv_kernel: int = 3,
+        spectral_norm: bool = False,
+        output_norm: bool = False,
+        init_mode: str = "noise",
+        init_std: float = 6.0,
+        seed: int = 0,
+        bptt_window: int = 6,
+        eval_step_decay: float = 0.99,
+        **kwargs,
+    ):
+        fields = {k: v for k, v in locals().items() if k not in ("self", "kwargs", "__class__")}
+        for key, value in {**fields, **pop_fp_kwargs(kwargs, FPRM_FP_DEFAULTS)}.items():
+            setattr(self, key, value)
+        check_puzzle_config(self)
+        check_number(num_layers, "num_layers", low=1, integer=True)
+        check_choice(residual_scale, "residual_scale", RESIDUAL_SCALES)
+        for name in ("alpha_1_init", "alpha_2_init"):
+            check_number(getattr(self, name), name, low=0.0, high=1.0, low_open=True, high_open=True)
+        check_choice(conv, "conv", CONV_KINDS)
+        check_number(conv_kernel, "conv_kernel", low=1, integer=True)
+        if conv == "2d" and grid_shape is None:
+            raise ValueError("conv='2d' needs grid_shape=[rows, cols] (e.g. [9, 9] for Sudoku).")
+        if conv == "2d" and grid_shape[0] * grid_shape[1] != seq_len:
+            cells = grid_shape[0] * grid_shape[1]
+            raise ValueError(f"grid_shape={grid_shape} has {cells} cells but seq_len={seq_len}.")
+        check_choice(init_mode, "init_mode", INITS)
+        check_number(init_std, "init_std", low=0.0)
+        check_number(seed, "seed", integer=True)
+        check_number(bptt_window, "bptt_window", low=1, integer=True)
+        check_number(eval_step_decay, "eval_step_decay", low=0.0, high=1.0, low_open=True, high_open=True)
+        super().__init__(**kwargs)
+
+
+__all__ = ["FPRMConfig"]

@@ -1,0 +1,618 @@
+# Source of truth: hf_fixedpoint/core/fp_reasoning.py. Verbatim copies live in modeling/*/ so that checkpoints
+# saved with save_pretrained() load with torch + transformers only. Edit here, then run
+# `python -m hf_fixedpoint.vendor`. Allowed imports: stdlib, torch, and `from .fp_<x> import ...`.
+"""Building blocks of the puzzle-reasoning families (TRM, Attractor-reasoning, URM, FPRM), written once.
+
+* layers: ``trunc_normal_``, parameter-free ``rms_norm``, ``CastedLinear`` (fp32 master weight, cast to the input
+  dtype), ``Attention`` (non-causal SDPA with RoPE), ``SwiGLU`` / ``ConvSwiGLU`` (URM), ``SequenceMLP`` (TRM's
+  ``mlp_t``), ``ShortConv`` (FPRM's depthwise 1-D or 2-D grid convolution) and ``ReasoningBlock`` (post- or pre-norm,
+  optional FPRM residual scaling ``h <- a * h + b * sublayer(norm(h))``);
+* inputs: ``SparsePuzzleEmbedding`` (a table kept as a buffer and trained with sign-SGD, as in the research code) and
+  ``PuzzleInput`` (token embedding, puzzle prefix of ``puzzle_emb_len`` positions, ``sqrt(D)`` scale);
+* outputs: ``PuzzleHeads`` (LM head over the non-prefix positions and the Q-halt head read at position 0);
+* the ACT outer loop with deep-supervision carry: ``new_carry``, ``reset_carry``, ``act_halt``;
+* losses: ``stablemax_cross_entropy``, ``softmax_cross_entropy`` and ``puzzle_loss`` (ACT loss head).
+
+The rotary helper is passed in by the modeling files (transformers' ``apply_rotary_pos_emb``), so this file stays
+torch-only.
+"""
+
+import math
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .fp_registry import check_choice, check_number
+
+NORM_PLACEMENTS = ("post", "pre")
+MLP_KINDS = ("swiglu", "conv_swiglu")
+CONV_KINDS = ("none", "1d", "2d")
+LOSS_TYPES = ("stablemax", "softmax")
+IGNORE_INDEX = -100
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Layers
+
+
+def trunc_normal_(t: torch.Tensor, std: float = 1.0, lower: float = -2.0, upper: float = 2.0) -> torch.Tensor:
+    """Truncated normal on ``[lower, upper]`` standard deviations, rescaled so the *actual* std is ``std``."""
+    with torch.no_grad():
+        if std == 0:
+            return t.zero_()
+        a, b = lower / math.sqrt(2), upper / math.sqrt(2)
+        z = (math.erf(b) - math.erf(a)) / 2
+        pdf_u = math.exp(-(upper**2) / 2) / math.sqrt(2 * math.pi)
+        pdf_l = math.exp(-(lower**2) / 2) / math.sqrt(2 * math.pi)
+        var = 1 - (upper * pdf_u - lower * pdf_l) / z - ((pdf_u - pdf_l) / z) ** 2
+        nn.init.trunc_normal_(t, mean=0.0, std=1.0, a=lower, b=upper)
+        return t.mul_(std / math.sqrt(var))
+
+
+def rms_norm(x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """Parameter-free RMS norm computed in float32 and cast back (as in TRM/HRM/URM)."""
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+class CastedLinear(nn.Linear):
+    """``nn.Linear`` with LeCun truncated-normal init whose weight is cast to the input's dtype at call time.
+
+    Master weights stay in float32 while activations run in bfloat16 (``forward_dtype``).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(in_features, out_features, bias=bias)
+        trunc_normal_(self.weight, std=1.0 / math.sqrt(in_features))
+        if bias:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x):
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.weight.to(x.dtype), bias)
+
+
+def swiglu_width(hidden_size: int, expansion: float, multiple_of: int) -> int:
+    """TRM's intermediate width: ``round(expansion * hidden * 2 / 3)`` rounded up to ``multiple_of``."""
+    inter = round(expansion * hidden_size * 2 / 3)
+    return -(-inter // multiple_of) * multiple_of
+
+
+class SwiGLU(nn.Module):
+    """``down(silu(gate) * up)`` with a fused gate/up projection and no biases."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = CastedLinear(hidden_size, 2 * intermediate_size)
+        self.down_proj = CastedLinear(intermediate_size, hidden_size)
+
+    def hidden(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def forward(self, x):
+        return self.down_proj(self.hidden(x))
+
+
+class ConvSwiGLU(SwiGLU):
+    """URM's MLP: SwiGLU hidden, then a depthwise causal 2-tap convolution over tokens and another SiLU."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, kernel_size: int = 2):
+        super().__init__(hidden_size, intermediate_size)
+        self.conv = nn.Conv1d(intermediate_size, intermediate_size, kernel_size, padding=kernel_size - 1,
+                              groups=intermediate_size, bias=True)
+
+    def forward(self, x):
+        h = self.hidden(x)
+        T = h.shape[1]
+        h = self.conv(h.transpose(1, 2).to(self.conv.weight.dtype))[..., :T].transpose(1, 2).to(x.dtype)
+        return self.down_proj(F.silu(h))
+
+
+class SequenceMLP(nn.Module):
+    """TRM's ``mlp_t``: a SwiGLU over the *sequence* axis, used in place of attention."""
+
+    def __init__(self, seq_len: int, expansion: float, multiple_of: int):
+        super().__init__()
+        self.mlp = SwiGLU(seq_len, swiglu_width(seq_len, expansion, multiple_of))
+
+    def forward(self, x, rope=None):
+        return self.mlp(x.transpose(1, 2)).transpose(1, 2)
+
+
+class Attention(nn.Module):
+    """Non-causal multi-head attention (fused QKV, no biases) through ``F.scaled_dot_product_attention``.
+
+    ``rope`` is ``(cos, sin, apply_rotary)`` with ``apply_rotary(q, k, cos, sin)`` (transformers' helper) or None.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, hidden_size // num_heads
+        self.qkv_proj = CastedLinear(hidden_size, 3 * hidden_size)
+        self.o_proj = CastedLinear(hidden_size, hidden_size)
+
+    def forward(self, x, rope=None):
+        B, T, D = x.shape
+        q, k, v = self.qkv_proj(x).view(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        if rope is not None:
+            cos, sin, apply_rotary = rope
+            q, k = apply_rotary(q, k, cos.to(q.dtype), sin.to(q.dtype), unsqueeze_dim=0)
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, D))
+
+
+def rotary_tables(head_dim: int, max_positions: int, base: float = 10000.0):
+    """``(cos, sin)`` of shape ``(max_positions, head_dim)`` in the ``rotate_half`` convention."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+class ShortConv(nn.Module):
+    """FPRM's short depthwise convolution over the grid part of the state (the puzzle prefix bypasses it).
+
+    ``kind="1d"``: kernel ``kernel_size`` over the flattened row-major sequence ("same" padding).
+    ``kind="2d"``: ``kernel_size x kernel_size`` over the ``grid_shape`` grid. No bias. Returns the convolution only;
+    the caller adds it to the state.
+    """
+
+    def __init__(self, hidden_size: int, kind: str, kernel_size: int, prefix_len: int, grid_shape=None):
+        super().__init__()
+        check_choice(kind, "conv", CONV_KINDS[1:])
+        self.kind, self.prefix_len = kind, prefix_len
+        self.grid_shape = tuple(grid_shape) if grid_shape is not None else None
+        conv = nn.Conv1d if kind == "1d" else nn.Conv2d
+        self.conv = conv(hidden_size, hidden_size, kernel_size, padding="same", groups=hidden_size, bias=False)
+
+    def forward(self, h):
+        grid = h[:, self.prefix_len:]
+        B, T, D = grid.shape
+        w = self.conv.weight.to(h.dtype)
+        if self.kind == "1d":
+            out = F.conv1d(grid.transpose(1, 2), w, padding="same", groups=D).transpose(1, 2)
+        else:
+            rows, cols = self.grid_shape
+            if rows * cols != T:
+                raise ValueError(f"grid_shape={self.grid_shape} does not cover the {T} non-prefix positions.")
+            img = grid.transpose(1, 2).reshape(B, D, rows, cols)
+            out = F.conv2d(img, w, padding="same", groups=D).reshape(B, D, T).transpose(1, 2)
+        return torch.cat([torch.zeros_like(h[:, : self.prefix_len]), out], dim=1)
+
+
+class ReasoningBlock(nn.Module):
+    """A transformer block with a token mixer (attention or ``SequenceMLP``) and an MLP.
+
+    ``post``-norm (TRM/HRM/URM): ``h = norm(h + mixer(h)); h = norm(h + mlp(h))``.
+    ``pre``-norm (FPRM): ``h = a * h + b * mixer(norm(h)); h = a * h + b * mlp(norm(h))`` with the residual scales
+    ``(a, b)`` passed in (``None``: 1 and 1, a plain pre-norm residual).
+    """
+
+    def __init__(self, mixer: nn.Module, mlp: nn.Module, norm: str = "post", eps: float = 1e-5):
+        super().__init__()
+        check_choice(norm, "norm", NORM_PLACEMENTS)
+        self.mixer, self.mlp, self.norm, self.eps = mixer, mlp, norm, eps
+
+    def forward(self, h, rope=None, scale=None):
+        if self.norm == "post":
+            h = rms_norm(h + self.mixer(h, rope), self.eps)
+            return rms_norm(h + self.mlp(h), self.eps)
+        for sub in (lambda t: self.mixer(t, rope), self.mlp):
+            out = sub(rms_norm(h, self.eps))
+            h = h + out if scale is None else scale[0] * h + scale[1] * out
+        return h
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Inputs and outputs
+
+
+class SparsePuzzleEmbedding(nn.Module):
+    """Per-puzzle embedding table trained with sign-SGD on the rows a batch touches.
+
+    The table ``weights`` is a persistent buffer (not a parameter: the main optimizer never sees it). In training the
+    batch's rows are copied into a leaf tensor ``local_weights`` that receives the gradient; ``sign_sgd_step`` then
+    applies ``w <- w * (1 - lr * wd) - lr * sign(sum of the grads of that row)`` to the touched rows ("Adam is about
+    sign-SGD for a very sparse gradient"). Zero initialized, as in TRM.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.register_buffer("weights", torch.zeros(num_embeddings, embedding_dim), persistent=True)
+        self.local_weights: Optional[torch.Tensor] = None
+        self.local_ids: Optional[torch.Tensor] = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.weights.shape[0]):
+            raise ValueError(f"puzzle_identifiers must lie in [0, {self.weights.shape[0]}); got values in "
+                             f"[{int(ids.min())}, {int(ids.max())}]. Build the model with num_puzzle_identifiers "
+                             "from the dataset's PuzzleMetadata.")
+        if not (self.training and torch.is_grad_enabled()):
+            return self.weights[ids]
+        self.local_weights = self.weights[ids].detach().clone().requires_grad_(True)
+        self.local_ids = ids
+        return self.local_weights
+
+    @torch.no_grad()
+    def sign_sgd_step(self, lr: float, weight_decay: float = 0.0, ids=None, grad=None) -> None:
+        """Apply one sign-SGD step with the gradient of the last training forward (or given ``ids``/``grad``,
+        e.g. gathered from every process), then drop it."""
+        if ids is None:
+            if self.local_weights is None or self.local_weights.grad is None:
+                return
+            ids, grad = self.local_ids, self.local_weights.grad
+        uniq, inv = torch.unique(ids, return_inverse=True)
+        summed = torch.zeros(uniq.numel(), grad.shape[1], dtype=grad.dtype, device=grad.device)
+        summed.index_add_(0, inv, grad)
+        rows = self.weights[uniq]
+        self.weights[uniq] = rows * (1.0 - lr * weight_decay) - lr * summed.sign().to(rows.dtype)
+        self.local_weights = self.local_ids = None
+
+
+class PuzzleInput(nn.Module):
+    """``sqrt(D) * cat(puzzle prefix, embed(tokens))``: the input injection ``x`` of shape ``(B, P + L, D)``.
+
+    The puzzle embedding (``puzzle_emb_ndim`` wide, at most ``P * D``) is zero-padded to ``P`` prefix positions.
+    ``P = 0`` disables it.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, num_puzzle_identifiers: int, puzzle_emb_len: int,
+                 puzzle_emb_ndim: int):
+        super().__init__()
+        self.hidden_size, self.prefix_len = hidden_size, puzzle_emb_len
+        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        trunc_normal_(self.embed_tokens.weight, std=1.0 / math.sqrt(hidden_size))
+        self.puzzle_emb = SparsePuzzleEmbedding(num_puzzle_identifiers, puzzle_emb_ndim) if puzzle_emb_len else None
+
+    def forward(self, input_ids, puzzle_identifiers=None, dtype=torch.float32):
+        emb = self.embed_tokens.weight.to(dtype)[input_ids]
+        if self.puzzle_emb is not None:
+            B = input_ids.shape[0]
+            if puzzle_identifiers is None:
+                puzzle_identifiers = torch.zeros(B, dtype=torch.long, device=input_ids.device)
+            pe = self.puzzle_emb(puzzle_identifiers.long()).to(dtype)
+            pe = F.pad(pe, (0, self.prefix_len * self.hidden_size - pe.shape[1]))
+            emb = torch.cat([pe.view(B, self.prefix_len, self.hidden_size), emb], dim=1)
+        return math.sqrt(self.hidden_size) * emb
+
+
+class PuzzleHeads(nn.Module):
+    """LM head over the non-prefix positions and the Q-halt head at position 0 (weight 0, bias -5, as in TRM)."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, prefix_len: int):
+        super().__init__()
+        self.prefix_len = prefix_len
+        self.lm_head = CastedLinear(hidden_size, vocab_size)
+        self.q_head = CastedLinear(hidden_size, 1, bias=True)
+        with torch.no_grad():
+            self.q_head.weight.zero_()
+            self.q_head.bias.fill_(-5.0)
+
+    def forward(self, h):
+        return self.lm_head(h[:, self.prefix_len:]), self.q_head(h[:, 0]).float()[:, 0]
+
+
+POS_ENCODINGS = ("rope", "none")
+FORWARD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+class PuzzleTrunk(nn.Module):
+    """What every puzzle family shares around its recurrence: the input injection and the rotary tables.
+
+    Reads ``vocab_size, hidden_size, num_attention_heads, num_puzzle_identifiers, puzzle_emb_len, puzzle_emb_ndim,
+    pos_encodings, rope_theta, seq_len, forward_dtype`` from ``config``; ``apply_rotary`` is the rotary helper
+    (transformers' ``apply_rotary_pos_emb``).
+    """
+
+    def __init__(self, config, apply_rotary: Callable):
+        super().__init__()
+        c = config
+        self.config, self.apply_rotary = c, apply_rotary
+        self.prefix_len = c.puzzle_emb_len
+        self.input = PuzzleInput(c.vocab_size, c.hidden_size, c.num_puzzle_identifiers, c.puzzle_emb_len,
+                                 c.puzzle_emb_ndim or c.hidden_size)
+        self.head_dim = c.hidden_size // c.num_attention_heads
+        # A plain cache, not buffers: non-persistent buffers are not restored by from_pretrained's meta-device load.
+        self._rope_cache = {}
+
+    @property
+    def dtype(self):
+        """``forward_dtype``, or float64 once the model itself was cast with ``.double()``."""
+        if self.input.embed_tokens.weight.dtype == torch.float64:
+            return torch.float64
+        return FORWARD_DTYPES[self.config.forward_dtype]
+
+    def embed(self, input_ids, puzzle_identifiers=None):
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, seq_len); got shape {tuple(input_ids.shape)}.")
+        vocab = self.config.vocab_size
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+            raise ValueError(f"input_ids must lie in [0, {vocab}) (vocab_size); got values in "
+                             f"[{int(input_ids.min())}, {int(input_ids.max())}].")
+        return self.input(input_ids, puzzle_identifiers, self.dtype)
+
+    def rope(self, length: int):
+        """``(cos, sin, apply_rotary)`` for ``length`` positions (any length), or None without rotary encodings."""
+        if self.config.pos_encodings != "rope":
+            return None
+        device = self.input.embed_tokens.weight.device
+        key = (length, str(device))
+        if key not in self._rope_cache:
+            cos, sin = rotary_tables(self.head_dim, length, self.config.rope_theta)
+            self._rope_cache = {key: (cos.to(device), sin.to(device))}
+        return (*self._rope_cache[key], self.apply_rotary)
+
+
+def check_puzzle_config(c) -> None:
+    """Validate the fields every puzzle family's config shares (errors name the field and the allowed values)."""
+    for name in ("vocab_size", "seq_len", "hidden_size", "num_attention_heads", "num_puzzle_identifiers",
+                 "halt_max_steps", "mlp_multiple_of"):
+        check_number(getattr(c, name), name, low=1, integer=True)
+    check_number(c.puzzle_emb_len, "puzzle_emb_len", low=0, integer=True)
+    if c.hidden_size % c.num_attention_heads:
+        raise ValueError(f"hidden_size={c.hidden_size} must be divisible by num_attention_heads="
+                         f"{c.num_attention_heads}.")
+    if c.puzzle_emb_ndim is not None:
+        check_number(c.puzzle_emb_ndim, "puzzle_emb_ndim", low=1, high=c.puzzle_emb_len * c.hidden_size,
+                     integer=True)
+    check_number(c.expansion, "expansion", low=0.0, low_open=True)
+    check_number(c.rope_theta, "rope_theta", low=0.0, low_open=True)
+    check_number(c.rms_norm_eps, "rms_norm_eps", low=0.0, low_open=True)
+    check_number(c.halt_exploration_prob, "halt_exploration_prob", low=0.0, high=1.0)
+    check_number(c.q_loss_weight, "q_loss_weight", low=0.0)
+    check_choice(c.pos_encodings, "pos_encodings", POS_ENCODINGS)
+    check_choice(c.forward_dtype, "forward_dtype", tuple(FORWARD_DTYPES))
+    check_choice(c.loss_type, "loss_type", LOSS_TYPES)
+    if c.grid_shape is not None:
+        if (not isinstance(c.grid_shape, (list, tuple)) or len(c.grid_shape) != 2
+                or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in c.grid_shape)):
+            raise ValueError(f"grid_shape must be [rows, cols] of positive integers, got {c.grid_shape!r}.")
+
+
+def build_blocks(c, num_layers: int, norm: str, mlp: str = "swiglu", mlp_t: bool = False) -> nn.ModuleList:
+    """``num_layers`` ``ReasoningBlock``s: attention (or TRM's sequence MLP) + ``swiglu``/``conv_swiglu``."""
+    check_choice(mlp, "mlp", MLP_KINDS)
+    inter = swiglu_width(c.hidden_size, c.expansion, c.mlp_multiple_of)
+    blocks = []
+    for _ in range(num_layers):
+        mixer = (SequenceMLP(c.seq_len + c.puzzle_emb_len, c.expansion, c.mlp_multiple_of) if mlp_t
+                 else Attention(c.hidden_size, c.num_attention_heads))
+        ffn = ConvSwiGLU(c.hidden_size, inter) if mlp == "conv_swiglu" else SwiGLU(c.hidden_size, inter)
+        blocks.append(ReasoningBlock(mixer, ffn, norm, c.rms_norm_eps))
+    return nn.ModuleList(blocks)
+
+
+def relative_change(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """Per-sample ``max|new - old| / max|new|``: the residual reported by the unrolled (non-solver) loops."""
+    dims = tuple(range(1, new.dim()))
+    return ((new - old).abs().amax(dims) / (new.abs().amax(dims) + 1e-9)).float()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ACT outer loop with deep-supervision carry
+
+BATCH_KEYS = ("input_ids", "labels", "puzzle_identifiers")
+
+
+def new_carry(state: dict, batch_size: int, device) -> dict:
+    """A carry whose slots are all halted, so the first ``reset_carry`` fills every slot with the new batch."""
+    return {
+        "state": state,
+        "steps": torch.zeros(batch_size, dtype=torch.long, device=device),
+        "iterations": torch.zeros(batch_size, dtype=torch.long, device=device),
+        "halted": torch.ones(batch_size, dtype=torch.bool, device=device),
+        "data": None,
+    }
+
+
+def _where_rows(mask, new, old):
+    return torch.where(mask.view(-1, *([1] * (new.dim() - 1))), new, old)
+
+
+def reset_carry(carry: dict, batch: dict, fresh_state: dict) -> dict:
+    """Halted slots take the new batch's data and the fresh state and restart their counters; the others keep their
+    puzzle and their detached state (deep supervision: one puzzle stays in its slot for several steps)."""
+    halted = carry["halted"]
+    if carry["data"] is None:
+        data = {k: v for k, v in batch.items() if k in BATCH_KEYS and v is not None}
+    else:
+        data = {k: _where_rows(halted, batch[k], v) for k, v in carry["data"].items()}
+    state = {k: _where_rows(halted, fresh_state[k], v.detach()) if carry["data"] is not None else fresh_state[k]
+             for k, v in (carry["state"] or fresh_state).items()}
+    zero = torch.zeros_like(carry["steps"])
+    return {"state": state, "steps": torch.where(halted, zero, carry["steps"]),
+            "iterations": torch.where(halted, zero, carry["iterations"]), "halted": halted, "data": data}
+
+
+def act_halt(steps: torch.Tensor, q_halt: torch.Tensor, max_steps: int, training: bool,
+             exploration_prob: float = 0.0, done: Optional[torch.Tensor] = None,
+             generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Which slots halt after this supervision step.
+
+    Always at ``max_steps``. In training also where the model says so -- ``done`` if the model has its own halting
+    signal (FPRM's fixed-point convergence), else ``q_halt > 0`` -- and, with probability ``exploration_prob`` per
+    slot, not before a random minimum in ``{2, ..., max_steps}`` (TRM's exploration). At evaluation every slot runs
+    ``max_steps`` so batches stay in lockstep.
+    """
+    halted = steps >= max_steps
+    if not training or max_steps <= 1:
+        return halted
+    want = done if done is not None else q_halt > 0
+    if exploration_prob > 0:
+        explore = torch.rand(steps.shape, generator=generator, device="cpu").to(steps.device) < exploration_prob
+        min_steps = torch.randint(2, max_steps + 1, steps.shape, generator=generator, device="cpu").to(steps.device)
+        want = want & ~(explore & (steps < min_steps))
+    return halted | want
+
+
+def puzzle_step(base, heads, *, input_ids, puzzle_identifiers=None, labels=None, carry=None, fp_overrides=None,
+                halt_max_steps=16, exploration_prob=0.0, loss_type="stablemax", q_loss_weight=0.5, training=False):
+    """One supervision step of a puzzle model: (carry reset,) recurrence, heads, halting, loss.
+
+    ``base.inner(input_ids, puzzle_identifiers, state, fp_overrides)`` returns a dict: ``h`` the full state
+    ``(B, P + L, D)`` the heads read, ``state`` the detached state to carry, ``stats`` the solve's
+    ``FixedPointStats``, ``done`` an optional per-sample halting signal, ``iterations`` the inner-map evaluations per
+    sample and ``aux_loss`` an optional regularizer added to the loss. Without ``carry`` it is a single
+    call from the fresh state; with ``carry`` the deep-supervision carry is reset for halted slots, advanced and
+    returned. Returns a dict with ``logits, q_halt_logits, loss, metrics, carry, fp_stats, iterations``.
+    """
+    B = input_ids.shape[0]
+    state = None
+    if carry is not None:
+        if carry["data"] is not None and carry["data"]["input_ids"].shape != input_ids.shape:
+            raise ValueError(f"the carry holds puzzles of shape {tuple(carry['data']['input_ids'].shape)} but the "
+                             f"batch has shape {tuple(input_ids.shape)}; keep the batch size fixed (drop_last).")
+        batch = {"input_ids": input_ids, "labels": labels, "puzzle_identifiers": puzzle_identifiers}
+        carry = reset_carry(carry, batch, base.fresh_state(B, input_ids.device, input_ids.shape[1]))
+        data = carry["data"]
+        input_ids, labels, puzzle_identifiers = data["input_ids"], data.get("labels"), data.get("puzzle_identifiers")
+        state = carry["state"]
+    out = base.inner(input_ids, puzzle_identifiers, state, fp_overrides)
+    logits, q_halt = heads(out["h"])
+    iterations = out["iterations"]
+    if carry is not None:
+        steps = carry["steps"] + 1
+        iterations = carry["iterations"] + iterations
+        halted = act_halt(steps, q_halt.detach(), halt_max_steps, training, exploration_prob, out.get("done"))
+        carry = {"state": out["state"], "steps": steps, "iterations": iterations, "halted": halted, "data": data}
+    loss = metrics = None
+    if labels is not None:
+        loss, metrics = puzzle_loss(logits, labels, q_halt, loss_type, q_loss_weight)
+        if out.get("aux_loss") is not None:
+            metrics["aux_loss"] = out["aux_loss"].detach()
+            loss = loss + out["aux_loss"]
+    return {"logits": logits, "q_halt_logits": q_halt, "loss": loss, "metrics": metrics, "carry": carry,
+            "fp_stats": out["stats"], "iterations": iterations}
+
+
+class PuzzleCheckpointMixin:
+    """``from_pretrained`` that refuses a ``num_puzzle_identifiers`` differing from the checkpoint's with a clear error
+    (the puzzle-embedding table has one row per id, so the saved table cannot serve another id set)."""
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        config = kwargs.get("config")
+        requested = getattr(config, "num_puzzle_identifiers", None) if config is not None and not isinstance(
+            config, str) else kwargs.get("num_puzzle_identifiers")
+        if requested is not None:
+            hub = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only", "subfolder")
+                   if k in kwargs}
+            saved = cls.config_class.get_config_dict(pretrained_model_name_or_path, **hub)[0].get(
+                "num_puzzle_identifiers")
+            if saved is not None and saved != requested:
+                raise ValueError(
+                    f"num_puzzle_identifiers={requested} differs from the checkpoint's {saved}: its puzzle-embedding "
+                    "table has one row per puzzle id. Build the dataset with the checkpoint's ids, or train a new "
+                    "model for the new id set.")
+        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+
+
+class PuzzleSolverMixin:
+    """The ``*ForPuzzles`` side of every family: a base model ``self.model`` (with ``inner`` and
+    ``fresh_state(batch_size, device, seq_len)``) under ``PuzzleHeads`` ``self.heads``, one supervision step per
+    call. Inputs may be longer than ``config.seq_len`` (length generalization) unless a layer is tied to the length
+    (``mlp_t``, ``conv="2d"``)."""
+
+    def initial_carry(self, batch_size: int, device=None) -> dict:
+        """An all-halted carry: pass it to the first call; every call returns the next one."""
+        device = device if device is not None else self.heads.lm_head.weight.device
+        return new_carry(None, batch_size, device)
+
+    def puzzle_forward(self, input_ids, puzzle_identifiers=None, labels=None, carry=None, fp_overrides=None) -> dict:
+        c = self.config
+        return puzzle_step(self.model, self.heads, input_ids=input_ids, puzzle_identifiers=puzzle_identifiers,
+                           labels=labels, carry=carry, fp_overrides=fp_overrides, halt_max_steps=c.halt_max_steps,
+                           exploration_prob=c.halt_exploration_prob, loss_type=c.loss_type,
+                           q_loss_weight=c.q_loss_weight, training=self.training)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Losses
+
+
+def _stablemax_s(x):
+    return torch.where(x < 0, 1 / (1 - x), x + 1)
+
+
+def stablemax_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX):
+    """Per-token cross entropy with stablemax ``s(x) = x + 1 (x >= 0), 1 / (1 - x) (x < 0)`` in place of ``exp``,
+    computed in float64 (float32 where the device has no float64); ignored tokens give 0."""
+    dtype = torch.float64 if logits.device.type != "mps" else torch.float32
+    s = _stablemax_s(logits.to(dtype))
+    logprobs = torch.log(s / s.sum(-1, keepdim=True))
+    valid = labels != ignore_index
+    picked = torch.gather(logprobs, -1, torch.where(valid, labels, 0).long().unsqueeze(-1)).squeeze(-1)
+    return torch.where(valid, -picked, 0.0)
+
+
+def softmax_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX):
+    """Per-token softmax cross entropy in float32; ignored tokens give 0."""
+    flat = F.cross_entropy(logits.float().flatten(0, -2), labels.long().flatten(), ignore_index=ignore_index,
+                           reduction="none")
+    return flat.view(labels.shape)
+
+
+LOSSES = {"stablemax": stablemax_cross_entropy, "softmax": softmax_cross_entropy}
+
+
+def puzzle_loss(logits, labels, q_halt, loss_type: str = "stablemax", q_loss_weight: float = 0.5,
+                ignore_index: int = IGNORE_INDEX, reduce_mask: Optional[torch.Tensor] = None):
+    """TRM's ACT loss head, averaged over the batch.
+
+    ``lm = sum_t CE_t / n_valid`` per sample; ``q = BCE(q_halt, sequence exactly right)``; total ``lm + w * q``.
+    Returns ``(loss, metrics)``; metrics are per-sample tensors (``correct`` cells fraction, ``exact``).
+    """
+    check_choice(loss_type, "loss_type", LOSSES)
+    valid = labels != ignore_index
+    n_valid = valid.sum(-1).clamp_min(1)
+    token_loss = LOSSES[loss_type](logits, labels, ignore_index)
+    lm = (token_loss.sum(-1) / n_valid).to(torch.float32)
+    with torch.no_grad():
+        right = (logits.argmax(-1) == labels) & valid
+        cell_acc = right.sum(-1).float() / n_valid
+        exact = right.sum(-1) == valid.sum(-1)
+    q = F.binary_cross_entropy_with_logits(q_halt.float(), exact.float(), reduction="none")
+    loss = (lm + q_loss_weight * q).mean()
+    return loss, {"lm_loss": lm.detach(), "q_loss": q.detach(), "cell_accuracy": cell_acc, "exact": exact}
+
+
+__all__ = [
+    "BATCH_KEYS",
+    "CONV_KINDS",
+    "FORWARD_DTYPES",
+    "IGNORE_INDEX",
+    "LOSSES",
+    "LOSS_TYPES",
+    "MLP_KINDS",
+    "NORM_PLACEMENTS",
+    "POS_ENCODINGS",
+    "Attention",
+    "CastedLinear",
+    "ConvSwiGLU",
+    "PuzzleCheckpointMixin",
+    "PuzzleHeads",
+    "PuzzleInput",
+    "PuzzleSolverMixin",
+    "PuzzleTrunk",
+    "ReasoningBlock",
+    "SequenceMLP",
+    "ShortConv",
+    "SparsePuzzleEmbedding",
+    "SwiGLU",
+    "act_halt",
+    "build_blocks",
+    "check_puzzle_config",
+    "new_carry",
+    "puzzle_loss",
+    "puzzle_step",
+    "relative_change",
+    "reset_carry",
+    "rms_norm",
+    "rotary_tables",
+    "softmax_cross_entropy",
+    "stablemax_cross_entropy",
+    "swiglu_width",
+    "trunc_normal_",
+]

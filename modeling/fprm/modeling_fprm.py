@@ -1,0 +1,213 @@
+"""FPRM: one latent ``y`` driven to the fixed point of ``f(y) = Blocks(alpha_2 * y + beta_2 * x)`` by FPRM's damped
+solver (``fpopt``: Picard steps whose per-sample step size decays after ``patience`` non-improving steps).
+
+Blocks are pre-norm with residual scaling: every sublayer is ``h <- alpha_1 * h + beta_1 * Sublayer(RMSNorm(h))``,
+with the betas tied to the alphas so that the map is a convex mix of ``y`` and its update (``beta_2 = 1 -
+alpha_2 alpha_1^(2L)``). Iterations per sample are adaptive: a puzzle stops when its relative l-inf residual falls
+below ``fp_tol``, when its step size decays below ``min_step`` or at the iteration cap.
+
+Two ways to run it:
+* one call without ``state``: a full solve with ``fixed_point`` (any solver and backward mode), used at evaluation;
+* deep supervision (``state`` carried between calls, training): each call runs ``bptt_window`` solver steps with
+  gradient from the carried state (truncated BPTT), per-sample halting, and returns the detached state.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.modeling_outputs import ModelOutput
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from .configuration_fprm import WINDOW_SOLVERS, FPRMConfig
+from .fp_backward import fixed_point
+from .fp_reasoning import (
+    PuzzleCheckpointMixin,
+    PuzzleHeads,
+    PuzzleSolverMixin,
+    PuzzleTrunk,
+    ShortConv,
+    build_blocks,
+    rms_norm,
+    trunc_normal_,
+)
+from .fp_settings import fixed_point_kwargs
+from .fp_solvers import SOLVERS, _residual
+from .fp_stats import FixedPointStats
+
+
+@dataclass
+class FPRMModelOutput(ModelOutput):
+    """``last_hidden_state``: the fixed point over the puzzle positions ``(B, L, D)``; ``state``: the detached state to
+    carry; ``fp_stats``; ``iterations``: solver steps per sample."""
+
+    last_hidden_state: Optional[torch.FloatTensor] = None
+    state: Optional[dict] = None
+    fp_stats: Optional[FixedPointStats] = None
+    iterations: Optional[torch.LongTensor] = None
+
+
+@dataclass
+class FPRMPuzzleOutput(ModelOutput):
+    """``logits`` ``(B, L, vocab)``, ``q_halt_logits`` ``(B,)``, ``loss`` (with labels), ``metrics`` (per-sample
+    ``cell_accuracy``, ``exact``, losses), ``carry`` (deep supervision), ``fp_stats``, ``iterations`` per sample."""
+
+    loss: Optional[torch.FloatTensor] = None
+    logits: Optional[torch.FloatTensor] = None
+    q_halt_logits: Optional[torch.FloatTensor] = None
+    metrics: Optional[dict] = None
+    carry: Optional[dict] = None
+    fp_stats: Optional[FixedPointStats] = None
+    iterations: Optional[torch.LongTensor] = None
+
+
+class FPRMPreTrainedModel(PuzzleCheckpointMixin, PreTrainedModel):
+    config_class = FPRMConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["ReasoningBlock"]
+    _supports_sdpa = True
+
+    def _init_weights(self, module):
+        pass  # layers initialize themselves (LeCun truncated normal, TRM's Q-head init)
+
+
+class FPRMModel(FPRMPreTrainedModel):
+    def __init__(self, config: FPRMConfig):
+        super().__init__(config)
+        c = config
+        self.trunk = PuzzleTrunk(c, apply_rotary_pos_emb)
+        self.layers = build_blocks(c, c.num_layers, norm="pre")
+        if c.spectral_norm:
+            for module in self.layers.modules():
+                if isinstance(module, nn.Linear):
+                    nn.utils.parametrizations.spectral_norm(module)
+        self.conv = (ShortConv(c.hidden_size, c.conv, c.conv_kernel, c.puzzle_emb_len, c.grid_shape)
+                     if c.conv != "none" else None)
+        logits = torch.tensor([c.alpha_1_init, c.alpha_2_init]).logit()[:, None].repeat(1, c.hidden_size)
+        if c.residual_scale == "learned":
+            self.alpha_logits = nn.Parameter(logits)
+        else:
+            self.register_buffer("alpha_logits", logits)
+        self.register_buffer("y_init", trunc_normal_(torch.empty(c.hidden_size), std=1.0))
+        self.post_init()
+
+    def residual_scales(self):
+        """``(alpha_1, alpha_2, beta_1, beta_2)``, each ``(D,)``; ``2L`` sublayers (attention and MLP per block)."""
+        a1, a2 = torch.sigmoid(self.alpha_logits.to(torch.promote_types(self.alpha_logits.dtype, torch.float32)))
+        p = a1 ** (2 * len(self.layers))
+        b2 = 1 - a2 * p
+        b1 = b2 * (1 - a1) / (1 - p + 1e-5)
+        return a1, a2, b1, b2
+
+    def step_map(self, y, x):
+        """``f(y; x)``: short conv of the grid, injection ``alpha_2 y + beta_2 x``, the scaled pre-norm blocks."""
+        if self.conv is not None:
+            y = y + self.conv(y)
+        a1, a2, b1, b2 = (t.to(y.dtype) for t in self.residual_scales())
+        h = a2 * y + b2 * x
+        rope = self.trunk.rope(h.shape[1])
+        for layer in self.layers:
+            h = layer(h, rope, scale=(a1, b1))
+        return rms_norm(h, self.config.rms_norm_eps) if self.config.output_norm else h
+
+    def _solver(self, fp_overrides):
+        kw = fixed_point_kwargs(self.config, self.training, fp_overrides)
+        if kw["solver"] == "fpopt" and not self.training:
+            kw["solver_kwargs"] = {"decay": self.config.eval_step_decay, **(kw["solver_kwargs"] or {})}
+        return kw
+
+    def fresh_state(self, batch_size: int, device, seq_len: int) -> dict:
+        """Initial ``y`` (noise or the fixed vector) and the window solver's per-sample state."""
+        c = self.config
+        S, D = seq_len + c.puzzle_emb_len, c.hidden_size
+        dtype = self.trunk.dtype
+        if c.init_mode == "fixed":
+            y = self.y_init.to(device, dtype).expand(batch_size, S, D).clone()
+        else:
+            g = None if self.training else torch.Generator(device=device).manual_seed(c.seed)
+            y = (torch.randn(batch_size, S, D, generator=g, device=device) * c.init_std).to(dtype)
+        state = {"y": y, "iterations": torch.zeros(batch_size, dtype=torch.long, device=device)}
+        kw = self._solver(None)
+        if kw["solver"] in WINDOW_SOLVERS:
+            algo = SOLVERS.get(kw["solver"])(**(kw["solver_kwargs"] or {}))
+            algo.init(y.reshape(batch_size, -1))
+            state.update({f"solver_{k}": v for k, v in algo.state.items()})
+        return state
+
+    def _window(self, x, state, kw):
+        """``bptt_window`` solver steps with gradient from the carried state; per-sample halting."""
+        if kw["solver"] not in WINDOW_SOLVERS:
+            raise ValueError(f"deep-supervision windows need fp_solver in {WINDOW_SOLVERS}; got {kw['solver']!r} "
+                             "(other solvers run in single-call mode, without a carried state).")
+        B = x.shape[0]
+        algo = SOLVERS.get(kw["solver"])(**(kw["solver_kwargs"] or {}))
+        algo.state = {k[len("solver_"):]: v for k, v in state.items() if k.startswith("solver_")}
+        y, total = state["y"], state["iterations"]
+        used = torch.zeros_like(total)
+        res = torch.full((B,), float("inf"), device=x.device)
+        done = total >= kw["max_iter"]
+        k = 0
+        for k in range(1, self.config.bptt_window + 1):
+            fy = self.step_map(y, x)
+            g = (fy - y).reshape(B, -1)
+            res = torch.where(done, res, _residual(g.detach(), fy.detach().reshape(B, -1), kw["stop_mode"],
+                                                   kw["norm"]).float())
+            if not torch.isfinite(res).all():
+                raise FloatingPointError("FPRM window produced NaN/Inf residuals; lower the learning rate.")
+            if hasattr(algo, "observe"):
+                algo.observe(res)
+            used = used + (~done).long()
+            step = algo.step(y.reshape(B, -1), fy.reshape(B, -1), g, k).view_as(y)
+            y = torch.where(done[:, None, None], y, step)
+            halted = algo.halted()
+            done = done | (res < kw["tol"]) | (total + used >= kw["max_iter"])
+            if halted is not None:
+                done = done | halted
+            if (~done).float().mean() <= kw["stop_fraction"]:
+                break
+        stats = FixedPointStats(nstep=used, residual=res, converged=res < kw["tol"], nfe=k, solver=kw["solver"],
+                                tol=kw["tol"], stop_mode=kw["stop_mode"])
+        new_state = {"y": y.detach(), "iterations": total + used,
+                     **{f"solver_{k}": v.detach() for k, v in algo.state.items()}}
+        return {"h": y, "state": new_state, "stats": stats, "done": done, "iterations": used}
+
+    def inner(self, input_ids, puzzle_identifiers=None, state=None, fp_overrides=None):
+        """The dict ``puzzle_step`` reads: ``h, state, stats, done, iterations`` (see the module docstring)."""
+        x = self.trunk.embed(input_ids, puzzle_identifiers)
+        kw = self._solver(fp_overrides)
+        if state is not None and self.training and torch.is_grad_enabled():
+            return self._window(x, state, kw)
+        new_state = self.fresh_state(x.shape[0], x.device, input_ids.shape[1]) if state is None else dict(state)
+        y, stats = fixed_point(self.step_map, new_state["y"], args=(x,), **kw)
+        new_state.update(y=y.detach(), iterations=new_state["iterations"] + stats.nstep)
+        return {"h": y, "state": new_state, "stats": stats, "done": stats.converged, "iterations": stats.nstep}
+
+    def forward(self, input_ids: torch.LongTensor, puzzle_identifiers: Optional[torch.LongTensor] = None,
+                state: Optional[dict] = None, fp_overrides: Optional[dict] = None) -> FPRMModelOutput:
+        out = self.inner(input_ids, puzzle_identifiers, state, fp_overrides)
+        return FPRMModelOutput(last_hidden_state=out["h"][:, self.config.puzzle_emb_len:], state=out["state"],
+                               fp_stats=out["stats"], iterations=out["iterations"])
+
+
+class FPRMForPuzzles(PuzzleSolverMixin, FPRMPreTrainedModel):
+    """FPRM with the LM head and the Q-halt head, one supervision step per call.
+
+    ``model(input_ids, puzzle_identifiers, labels)``: a full solve (evaluation). ``carry = model.initial_carry(B)``
+    then ``out = model(..., carry=carry); carry = out.carry`` for deep-supervision training.
+    """
+
+    def __init__(self, config: FPRMConfig):
+        super().__init__(config)
+        self.model = FPRMModel(config)
+        self.heads = PuzzleHeads(config.hidden_size, config.vocab_size, config.puzzle_emb_len)
+        self.post_init()
+
+    def forward(self, input_ids: torch.LongTensor, puzzle_identifiers: Optional[torch.LongTensor] = None,
+                labels: Optional[torch.LongTensor] = None, carry: Optional[dict] = None,
+                fp_overrides: Optional[dict] = None) -> FPRMPuzzleOutput:
+        return FPRMPuzzleOutput(**self.puzzle_forward(input_ids, puzzle_identifiers, labels, carry, fp_overrides))
+
+
+__all__ = ["FPRMForPuzzles", "FPRMModel", "FPRMPreTrainedModel"]

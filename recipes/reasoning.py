@@ -1,0 +1,272 @@
+"""Train and evaluate a puzzle reasoner (FPRM, TRM, Attractor-reasoning, URM) with deep supervision, on CPU or GPU.
+
+    python -m recipes.reasoning --model fprm --task a5 --output_dir runs/fprm_a5
+    accelerate launch recipes/reasoning.py --model trm --task sudoku --max_steps 2000 --output_dir runs/trm_sudoku
+    python -m recipes.reasoning --model attractor --task sudoku --resume_from runs/trm_sudoku/state   # resume
+
+What it does, top to bottom:
+1. data: ``hf_fixedpoint.puzzles.build_dataset(task, split, seed, **task_kwargs)``; one or more test sets
+   (``--test_task_kwargs`` a JSON object or list of objects, e.g. A5 at 2x the training length);
+2. model: the family's ``*ForPuzzles`` sized from the dataset's ``PuzzleMetadata`` (``--model_kwargs`` for any other
+   config field);
+3. training, as in the research code: the ACT carry persists across optimizer steps (one optimizer step = one
+   supervision step for every slot; a slot takes a new puzzle when it halts), AdamATan2 on the parameters, sign-SGD
+   on the touched rows of the sparse puzzle-embedding table, linear warmup then a constant learning rate, and an EMA
+   of the parameters used for evaluation and export;
+4. periodic evaluation: exact (whole-sequence) and per-cell accuracy, and iterations used versus difficulty
+   (A5 length, Sudoku backtracks). FPRM is evaluated with one full solve per puzzle (adaptive iterations); TRM and
+   URM run ``halt_max_steps`` supervision steps, and their iterations are counted up to the first step whose
+   Q-halt logit is positive;
+5. export: ``save_pretrained`` (EMA weights) -> loads with ``AutoModelForTokenClassification.from_pretrained(dir,
+   trust_remote_code=True)``; ``metrics.json`` holds every evaluation.
+"""
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+from transformers import HfArgumentParser, get_constant_schedule_with_warmup
+
+from hf_fixedpoint.core.fp_registry import check_choice
+from hf_fixedpoint.modeling import FPRMConfig, FPRMForPuzzles, TRMConfig, TRMForPuzzles, URMConfig, URMForPuzzles
+from hf_fixedpoint.optim import AdamATan2, ema_model
+from hf_fixedpoint.puzzles import build_dataset
+
+# --model name -> (config class, model class, config defaults)
+MODELS = {
+    "fprm": (FPRMConfig, FPRMForPuzzles, {}),
+    "trm": (TRMConfig, TRMForPuzzles, {"deq": False}),
+    "attractor": (TRMConfig, TRMForPuzzles, {"deq": True}),
+    "urm": (URMConfig, URMForPuzzles, {}),
+}
+
+
+@dataclass
+class Args:
+    model: str = field(default="fprm", metadata={"help": f"one of {sorted(MODELS)}"})
+    task: str = field(default="a5", metadata={"help": "puzzle task: sudoku, maze, a5, arc1, arc2"})
+    task_kwargs: str = field(default='{"num_samples": 2000, "length": 8}',
+                             metadata={"help": "JSON options of build_dataset for the training split"})
+    test_task_kwargs: str = field(default='[{"num_samples": 256, "length": 8}, {"num_samples": 256, "length": 16}]',
+                                  metadata={"help": "JSON object or list of objects: one test set each"})
+    output_dir: str = field(default="runs/reasoning", metadata={"help": "checkpoint, state and metrics go here"})
+    max_steps: int = field(default=300, metadata={"help": "optimizer steps (= supervision steps)"})
+    batch_size: int = field(default=64, metadata={"help": "puzzle slots per process"})
+    eval_batch_size: int = field(default=256, metadata={"help": "puzzles per evaluation batch"})
+    lr: float = field(default=1e-3, metadata={"help": "AdamATan2 learning rate"})
+    weight_decay: float = field(default=0.1, metadata={"help": "decoupled weight decay"})
+    beta1: float = field(default=0.9)
+    beta2: float = field(default=0.95)
+    puzzle_emb_lr: float = field(default=1e-2, metadata={"help": "sign-SGD learning rate of the puzzle table"})
+    puzzle_emb_weight_decay: float = field(default=0.1)
+    warmup_steps: int = field(default=50, metadata={"help": "linear warmup, then constant"})
+    ema_rate: float = field(default=0.999, metadata={"help": "EMA decay of the parameters; 0 disables the EMA"})
+    hidden_size: int = field(default=64)
+    num_attention_heads: int = field(default=4)
+    num_layers: Optional[int] = field(default=None, metadata={"help": "blocks (None: the family's default)"})
+    puzzle_emb_len: int = field(default=1, metadata={"help": "puzzle-embedding prefix positions (0: none)"})
+    halt_max_steps: int = field(default=8, metadata={"help": "ACT supervision steps per puzzle"})
+    model_kwargs: str = field(default="{}", metadata={"help": "JSON: any other config field (e.g. conv, L_cycles)"})
+    init_from: Optional[str] = field(default=None, metadata={"help": "start from a saved model (fine-tuning)"})
+    resume_from: Optional[str] = field(default=None, metadata={"help": "an output_dir/state folder to resume"})
+    eval_every: int = field(default=100, metadata={"help": "steps between evaluations (and state saves)"})
+    seed: int = field(default=0)
+
+
+def parse_json(text, name):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--{name} is not valid JSON ({err}): {text!r}") from None
+
+
+def build_model(args, meta):
+    """The family's model sized from the dataset metadata, or ``--init_from`` checked against it."""
+    config_class, model_class, defaults = MODELS[args.model]
+    if args.init_from:
+        model = model_class.from_pretrained(args.init_from)
+        for name in ("num_puzzle_identifiers", "vocab_size"):
+            have, want = getattr(model.config, name), getattr(meta, name)
+            if have != want:
+                raise ValueError(f"the dataset has {name}={want} but the checkpoint {args.init_from} was trained with "
+                                 f"{name}={have}; build the data with the checkpoint's puzzle ids or train anew.")
+        return model
+    kwargs = {**defaults, "vocab_size": meta.vocab_size, "seq_len": meta.seq_len, "hidden_size": args.hidden_size,
+              "num_attention_heads": args.num_attention_heads, "num_puzzle_identifiers": meta.num_puzzle_identifiers,
+              "puzzle_emb_len": args.puzzle_emb_len, "halt_max_steps": args.halt_max_steps,
+              "grid_shape": list(meta.grid_shape) if meta.grid_shape else None, "puzzle_metadata": meta.to_dict()}
+    if args.num_layers is not None:
+        kwargs["num_layers"] = args.num_layers
+    kwargs.update(parse_json(args.model_kwargs, "model_kwargs"))
+    return model_class(config_class(**kwargs))
+
+
+def batches(ds, batch_size, device, shuffle, seed=0, drop_last=True):
+    """Endless (shuffle) or one-pass iterator of batches as tensors on ``device``."""
+    cols = ["inputs", "labels", "puzzle_identifiers"]
+    data = ds.with_format("torch", columns=cols)
+    epoch = 0
+    while True:
+        order = (torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed + epoch)) if shuffle
+                 else torch.arange(len(ds)))
+        stop = len(ds) - (len(ds) % batch_size if drop_last else 0)
+        for start in range(0, stop, batch_size):
+            rows = data[order[start:start + batch_size].tolist()]
+            yield {k: rows[k].to(device).long() for k in cols}
+        if not shuffle:
+            return
+        epoch += 1
+
+
+@torch.no_grad()
+def evaluate(model, ds, meta, args, device):
+    """Exact and cell accuracy, and iterations used per difficulty value, over one test set."""
+    model.eval()
+    exact, cells, iters = [], [], []
+    for b in batches(ds, args.eval_batch_size, device, shuffle=False, drop_last=False):
+        if args.model == "fprm":  # one full solve: iterations adapt to the puzzle
+            out = model(b["inputs"], b["puzzle_identifiers"], b["labels"])
+            used = out.iterations
+        else:  # the research code's evaluation: halt_max_steps steps; iterations counted up to the first Q-halt
+            carry = model.initial_carry(b["inputs"].shape[0], device)
+            used = None
+            for _ in range(model.config.halt_max_steps):
+                out = model(b["inputs"], b["puzzle_identifiers"], b["labels"], carry=carry)
+                carry = out.carry
+                first = (out.q_halt_logits > 0) if used is None else (out.q_halt_logits > 0) & (used < 0)
+                used = torch.where(first, carry["iterations"], -1 if used is None else used)
+            used = torch.where(used < 0, carry["iterations"], used)
+        exact.append(out.metrics["exact"].float().cpu())
+        cells.append(out.metrics["cell_accuracy"].cpu())
+        iters.append(used.float().cpu())
+    exact, cells, iters = torch.cat(exact), torch.cat(cells), torch.cat(iters)
+    result = {"exact_accuracy": exact.mean().item(), "cell_accuracy": cells.mean().item(),
+              "iterations_mean": iters.mean().item(), "num_puzzles": len(exact)}
+    if meta.difficulty and meta.difficulty in ds.column_names:
+        diff = torch.tensor(ds[meta.difficulty]).float()
+        edges = torch.quantile(diff, torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0])).unique()  # difficulty quartiles
+        edges = edges.repeat(2) if len(edges) == 1 else edges  # a single value: one bin
+        table = []
+        for lo, hi in zip(edges[:-1], edges[1:]):
+            sel = (diff >= lo) & ((diff <= hi) if hi == edges[-1] else (diff < hi))
+            if sel.any():
+                table.append({meta.difficulty: [lo.item(), hi.item()], "n": int(sel.sum()),
+                              "exact_accuracy": exact[sel].mean().item(), "iterations_mean": iters[sel].mean().item()})
+        result["by_difficulty"] = table
+    model.train()
+    return result
+
+
+def main(argv=None):
+    """Run the recipe; ``argv`` defaults to the command line."""
+    (args,) = HfArgumentParser(Args).parse_args_into_dataclasses(args=argv)  # unknown flags are errors
+    check_choice(args.model, "--model", sorted(MODELS))
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    set_seed(args.seed)
+    accelerator.print(f"args: {json.dumps(asdict(args))}")
+
+    # 1. Data.
+    train_ds, meta = build_dataset(args.task, "train", seed=args.seed, **parse_json(args.task_kwargs, "task_kwargs"))
+    test_kwargs = parse_json(args.test_task_kwargs, "test_task_kwargs")
+    test_sets = []
+    for kw in test_kwargs if isinstance(test_kwargs, list) else [test_kwargs]:
+        ds, test_meta = build_dataset(args.task, "test", seed=args.seed, **kw)
+        test_sets.append((json.dumps(kw, sort_keys=True), ds, test_meta))
+    accelerator.print(f"data: {args.task} train {len(train_ds)} puzzles, seq_len {meta.seq_len}, vocab "
+                      f"{meta.vocab_size}, {meta.num_puzzle_identifiers} puzzle ids; test sets "
+                      f"{[(name, len(ds)) for name, ds, _ in test_sets]}")
+
+    # 2. Model, optimizers, schedule, EMA.
+    model = build_model(args, meta)
+    accelerator.print(f"model: {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} parameters)")
+    optimizer = AdamATan2(model.parameters(), lr=args.lr, betas=(args.beta1, args.beta2),
+                          weight_decay=args.weight_decay)
+    scheduler = get_constant_schedule_with_warmup(optimizer, args.warmup_steps)
+    ema = ema_model(model, args.ema_rate).to(accelerator.device) if args.ema_rate > 0 else None
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    if ema is not None:
+        accelerator.register_for_checkpointing(ema)
+    raw = accelerator.unwrap_model(model)
+    puzzle_emb = raw.model.trunk.input.puzzle_emb
+
+    start_step, history = 0, []
+    if args.resume_from:
+        accelerator.load_state(args.resume_from)
+        with open(os.path.join(args.resume_from, "progress.json")) as fh:
+            progress = json.load(fh)
+        start_step, history = progress["step"], progress["history"]
+        accelerator.print(f"resumed from {args.resume_from} at step {start_step}")
+
+    def eval_model():  # the EMA copy holds the averaged parameters and the current puzzle table
+        return raw if ema is None else ema.module
+
+    def run_evals(step):
+        results = {name: evaluate(eval_model(), ds, m, args, accelerator.device) for name, ds, m in test_sets}
+        history.append({"step": step, **results})
+        for name, r in results.items():
+            accelerator.print(f"eval step {step} {name}: exact {r['exact_accuracy']:.3f} cell "
+                              f"{r['cell_accuracy']:.3f} iterations {r['iterations_mean']:.1f}")
+
+    # 3. Training: the carry persists across optimizer steps (deep supervision).
+    stream = batches(train_ds, args.batch_size, accelerator.device, shuffle=True,
+                     seed=args.seed + 1000 * accelerator.process_index + start_step)
+    carry = raw.initial_carry(args.batch_size, accelerator.device)
+    halted_exact, halted_n = 0.0, 0
+    t0 = time.time()
+    bar = tqdm(range(start_step + 1, args.max_steps + 1), disable=not accelerator.is_local_main_process,
+               desc=f"{args.model}/{args.task}", initial=start_step, total=args.max_steps)
+    for step in bar:
+        b = next(stream)
+        out = model(b["inputs"], b["puzzle_identifiers"], b["labels"], carry=carry)
+        carry = out.carry
+        accelerator.backward(out.loss)
+        optimizer.step()
+        grad = None if puzzle_emb is None or puzzle_emb.local_weights is None else puzzle_emb.local_weights.grad
+        if grad is not None:  # sign-SGD on the puzzle-embedding rows this batch touched
+            ids = puzzle_emb.local_ids
+            if accelerator.num_processes > 1:
+                ids, grad = accelerator.gather(ids), accelerator.gather(grad)
+            factor = scheduler.get_last_lr()[0] / args.lr if args.lr > 0 else 1.0
+            puzzle_emb.sign_sgd_step(args.puzzle_emb_lr * factor, args.puzzle_emb_weight_decay, ids, grad)
+        scheduler.step()
+        optimizer.zero_grad()
+        if ema is not None:
+            ema.update_parameters(raw)
+        # Metrics on the puzzles that just halted (their final answer), as in the research code.
+        done = carry["halted"]
+        halted_exact += float(out.metrics["exact"][done].float().sum())
+        halted_n += int(done.sum())
+        bar.set_postfix(loss=f"{out.loss.item():.3f}", exact=f"{halted_exact / max(halted_n, 1):.3f}")
+        if step % args.eval_every == 0 or step == args.max_steps:
+            accelerator.print(f"step {step} loss {out.loss.item():.4f} train exact (halted) "
+                              f"{halted_exact / max(halted_n, 1):.3f} ({time.time() - t0:.0f}s)")
+            halted_exact, halted_n = 0.0, 0
+            run_evals(step)
+            state_dir = os.path.join(args.output_dir, "state")
+            accelerator.save_state(state_dir)
+            if accelerator.is_main_process:
+                with open(os.path.join(state_dir, "progress.json"), "w") as fh:
+                    json.dump({"step": step, "history": history}, fh)
+    if start_step >= args.max_steps:
+        run_evals(start_step)
+
+    # 5. Export the (EMA) model with its code, and the metrics.
+    if accelerator.is_main_process:
+        final = eval_model()
+        final.save_pretrained(args.output_dir)
+        metrics = {"args": asdict(args), "train_seconds": time.time() - t0, "history": history,
+                   "final": history[-1] if history else None}
+        with open(os.path.join(args.output_dir, "metrics.json"), "w") as fh:
+            json.dump(metrics, fh, indent=1)
+        accelerator.print(f"saved to {args.output_dir}: AutoModelForTokenClassification.from_pretrained("
+                          f"{args.output_dir!r}, trust_remote_code=True)")
+
+
+if __name__ == "__main__":
+    main()

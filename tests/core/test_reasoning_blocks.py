@@ -1,0 +1,93 @@
+"""The shared puzzle-reasoning blocks of ``fp_reasoning``: losses, halting, carry, layers (float64 where exact)."""
+
+import math
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from hf_fixedpoint.core.fp_reasoning import (
+    ShortConv,
+    act_halt,
+    new_carry,
+    puzzle_loss,
+    reset_carry,
+    softmax_cross_entropy,
+    stablemax_cross_entropy,
+    swiglu_width,
+    trunc_normal_,
+)
+
+
+def test_stablemax_cross_entropy_float64():
+    logits = torch.tensor([[[2.0, -1.0, 0.0]]], dtype=torch.float64)
+    s = torch.tensor([3.0, 0.5, 1.0], dtype=torch.float64)  # x + 1 for x >= 0, 1 / (1 - x) below
+    labels = torch.tensor([[0]])
+    torch.testing.assert_close(stablemax_cross_entropy(logits, labels)[0, 0], -torch.log(s[0] / s.sum()))
+    assert stablemax_cross_entropy(logits, torch.tensor([[-100]]))[0, 0] == 0
+
+
+def test_softmax_cross_entropy_and_ignore():
+    logits = torch.randn(2, 3, 5)
+    labels = torch.tensor([[1, -100, 4], [0, 2, -100]])
+    got = softmax_cross_entropy(logits, labels)
+    ref = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none", ignore_index=-100)
+    torch.testing.assert_close(got, ref)
+
+
+def test_puzzle_loss_values():
+    logits = torch.tensor([[[5.0, 0.0], [0.0, 5.0]], [[5.0, 0.0], [5.0, 0.0]]], dtype=torch.float64)
+    labels = torch.tensor([[0, 1], [0, -100]])
+    q = torch.tensor([0.3, -0.2])
+    loss, m = puzzle_loss(logits, labels, q, "softmax", q_loss_weight=0.5)
+    ce = -F.log_softmax(torch.tensor([5.0, 0.0], dtype=torch.float64), 0)[0]
+    lm = torch.stack([ce, ce])  # per-sample mean over supervised tokens
+    qloss = F.binary_cross_entropy_with_logits(q, torch.ones(2), reduction="none")
+    torch.testing.assert_close(loss, (lm + 0.5 * qloss).mean().float())
+    assert m["exact"].tolist() == [True, True] and m["cell_accuracy"].tolist() == [1.0, 1.0]
+    with pytest.raises(ValueError, match="loss_type='hinge' is not allowed"):
+        puzzle_loss(logits, labels, q, "hinge")
+
+
+def test_act_halt_rules():
+    steps = torch.tensor([1, 2, 4])
+    q = torch.tensor([1.0, -1.0, -1.0])
+    assert act_halt(steps, q, 4, training=False).tolist() == [False, False, True]  # eval: lockstep to the cap
+    assert act_halt(steps, q, 4, training=True).tolist() == [True, False, True]
+    done = torch.tensor([False, True, False])
+    assert act_halt(steps, q, 4, training=True, done=done).tolist() == [False, True, True]
+    g = torch.Generator().manual_seed(0)
+    # Exploration with probability 1: no slot halts before its random minimum in {2..4}; at 1 step none can.
+    assert not act_halt(torch.ones(50, dtype=torch.long), torch.ones(50), 4, True, 1.0, generator=g).any()
+
+
+def test_carry_reset_keeps_running_slots():
+    carry = new_carry(None, 3, "cpu")
+    fresh = {"h": torch.zeros(3, 2)}
+    batch = {"input_ids": torch.tensor([[1], [2], [3]]), "labels": None, "puzzle_identifiers": torch.zeros(3)}
+    carry = reset_carry(carry, batch, fresh)
+    assert set(carry["data"]) == {"input_ids", "puzzle_identifiers"}
+    carry["state"] = {"h": torch.ones(3, 2)}
+    carry["steps"] = torch.tensor([2, 5, 1])
+    carry["halted"] = torch.tensor([False, True, False])
+    new = {"input_ids": torch.tensor([[7], [8], [9]]), "labels": None, "puzzle_identifiers": torch.zeros(3)}
+    carry = reset_carry(carry, new, fresh)
+    assert carry["data"]["input_ids"][:, 0].tolist() == [1, 8, 3]
+    assert carry["steps"].tolist() == [2, 0, 1]
+    assert carry["state"]["h"][:, 0].tolist() == [1.0, 0.0, 1.0]
+
+
+def test_layer_helpers():
+    assert swiglu_width(512, 4, 256) == 1536  # TRM's 512-wide blocks
+    t = trunc_normal_(torch.empty(200_000), std=0.5)
+    assert abs(t.std().item() - 0.5) < 5e-3 and t.abs().max() <= 2 * 0.5 / math.sqrt(0.7737) + 1e-4  # 2 sigmas
+    conv = ShortConv(2, "2d", 3, prefix_len=1, grid_shape=(2, 3)).double()
+    h = torch.randn(1, 7, 2, dtype=torch.float64)
+    out = conv(h)
+    assert out[:, 0].abs().max() == 0  # the prefix bypasses the convolution
+    img = h[:, 1:].transpose(1, 2).reshape(1, 2, 2, 3)
+    ref = F.conv2d(img, conv.conv.weight, padding=1, groups=2).reshape(1, 2, 6).transpose(1, 2)
+    torch.testing.assert_close(out[:, 1:], ref)
+    with pytest.raises(ValueError, match="does not cover"):
+        conv(torch.randn(1, 5, 2, dtype=torch.float64))
+    assert math.isclose(float(ShortConv(2, "1d", 4, 0)(torch.ones(1, 6, 2)).shape[1]), 6)

@@ -1,0 +1,157 @@
+"""Shared tests of the puzzle-reasoning families (FPRM, TRM/Attractor, URM) on top of the fixed-point tester.
+
+A family's test file subclasses ``PuzzleModelTesterMixin`` and sets ``config_class``, ``model_classes`` (the base
+model with ``AutoModel``), ``puzzle_class`` (the ``*ForPuzzles`` model) and a tiny ``config_kwargs`` on a 3x3 grid.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.models.fixed_point_tester import _CHILD, FixedPointModelTesterMixin
+
+
+class PuzzleModelTesterMixin(FixedPointModelTesterMixin):
+    puzzle_class = None
+    seq_length = 9  # a 3x3 grid
+    vocab_size = 11
+
+    def prepare_inputs(self, config, batch_size=None):
+        batch_size = batch_size or self.batch_size
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, config.vocab_size, (batch_size, self.seq_length), generator=g)
+        pids = torch.randint(0, config.num_puzzle_identifiers, (batch_size,), generator=g)
+        return {"input_ids": ids, "puzzle_identifiers": pids}
+
+    def puzzle_batch(self, config, batch_size=4, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        inputs = self.prepare_inputs(config, batch_size)
+        labels = torch.randint(1, config.vocab_size, inputs["input_ids"].shape, generator=g)
+        labels[:, 0] = -100  # an unsupervised position
+        return {**inputs, "labels": labels}
+
+    def build_puzzle(self, **overrides):
+        torch.manual_seed(0)
+        return self.puzzle_class(self.get_config(**overrides))
+
+    # ---- puzzle-model tests -------------------------------------------------------------------------------------
+    def test_deep_supervision_carry(self):
+        model = self.build_puzzle(halt_max_steps=3, halt_exploration_prob=0.0).train()
+        batch = self.puzzle_batch(model.config)
+        carry = model.initial_carry(4)
+        assert carry["halted"].all()
+        for step in range(1, 4):
+            out = model(**batch, carry=carry)
+            carry = out.carry
+            assert out.logits.shape == (4, self.seq_length, model.config.vocab_size)
+            assert out.q_halt_logits.shape == (4,) and out.iterations.shape == (4,)
+            assert torch.isfinite(out.loss)
+            out.loss.backward()
+            assert (carry["steps"] <= step).all()
+            assert not any(t.requires_grad for t in carry["state"].values())
+        assert carry["halted"][carry["steps"] >= 3].all()  # everyone halts at halt_max_steps
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        assert all(g is not None and torch.isfinite(g).all() for g in grads.values()), [n for n, g in grads.items()
+                                                                                        if g is None]
+        # A halted slot takes the next batch's puzzle; a running one keeps its own.
+        new = self.puzzle_batch(model.config, seed=1)
+        out = model(**new, carry=carry)
+        kept = ~carry["halted"]
+        torch.testing.assert_close(out.carry["data"]["input_ids"][carry["halted"]], new["input_ids"][carry["halted"]])
+        torch.testing.assert_close(out.carry["data"]["input_ids"][kept], carry["data"]["input_ids"][kept])
+
+    def test_carry_rejects_a_different_batch_shape(self):
+        model = self.build_puzzle().train()
+        batch = self.puzzle_batch(model.config)
+        carry = model(**batch, carry=model.initial_carry(4)).carry
+        small = {k: v[:2] for k, v in batch.items()}
+        with pytest.raises(ValueError, match="keep the batch size fixed"):
+            model(**small, carry=carry)
+
+    def test_loss_metrics_and_iterations(self):
+        model = self.build_puzzle().eval()
+        batch = self.puzzle_batch(model.config)
+        with torch.no_grad():
+            out = model(**batch)
+        assert out.loss.ndim == 0 and torch.isfinite(out.loss)
+        assert set(out.metrics) >= {"lm_loss", "q_loss", "cell_accuracy", "exact"}
+        assert out.iterations.dtype == torch.long and (out.iterations >= 1).all()
+
+    def test_bfloat16_forward(self):
+        model = self.build_puzzle(forward_dtype="bfloat16").eval()
+        with torch.no_grad():
+            out = model(**self.puzzle_batch(model.config))
+        assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.logits.float()).all()
+        assert torch.isfinite(out.loss)
+
+    @pytest.mark.parametrize("emb_len", [0, 2])
+    def test_puzzle_embedding_length(self, emb_len):
+        model = self.build_puzzle(puzzle_emb_len=emb_len).eval()
+        with torch.no_grad():
+            out = model(**self.puzzle_batch(model.config))
+        assert out.logits.shape[1] == self.seq_length
+        assert (model.model.trunk.input.puzzle_emb is None) == (emb_len == 0)
+
+    def test_sign_sgd_updates_only_touched_rows(self):
+        model = self.build_puzzle(num_puzzle_identifiers=5).train()
+        table = model.model.trunk.input.puzzle_emb
+        with torch.no_grad():
+            table.weights.normal_()
+        before = table.weights.clone()
+        batch = self.puzzle_batch(model.config)
+        batch["puzzle_identifiers"] = torch.tensor([1, 3, 3, 1])
+        model(**batch).loss.backward()
+        grad = table.local_weights.grad.clone()
+        table.sign_sgd_step(lr=0.1, weight_decay=0.5)
+        expected = before.clone()
+        for row in (1, 3):
+            summed = grad[batch["puzzle_identifiers"] == row].sum(0)
+            expected[row] = before[row] * (1 - 0.1 * 0.5) - 0.1 * summed.sign()
+        torch.testing.assert_close(table.weights, expected, rtol=0, atol=1e-6)
+        assert table.local_weights is None
+
+    def test_bad_inputs(self):
+        model = self.build_puzzle(num_puzzle_identifiers=2).eval()
+        batch = self.puzzle_batch(model.config)
+        with pytest.raises(ValueError, match="puzzle_identifiers must lie in"):
+            model(**{**batch, "puzzle_identifiers": torch.tensor([0, 1, 2, 0])})
+        with pytest.raises(ValueError, match="input_ids must lie in"):
+            model(**{**batch, "input_ids": batch["input_ids"] + model.config.vocab_size})
+        with pytest.raises(ValueError, match="hidden_size=30 must be divisible"):
+            self.get_config(hidden_size=30, num_attention_heads=4)
+        with pytest.raises(ValueError, match="loss_type='l2' is not allowed"):
+            self.get_config(loss_type="l2")
+        with pytest.raises(ValueError, match="grid_shape must be"):
+            self.get_config(grid_shape=[3])
+
+    def test_puzzle_id_count_must_match_the_checkpoint(self, tmp_path):
+        self.build_puzzle(num_puzzle_identifiers=3).save_pretrained(tmp_path)
+        with pytest.raises(ValueError, match="num_puzzle_identifiers=5 differs from the checkpoint's 3"):
+            self.puzzle_class.from_pretrained(tmp_path, num_puzzle_identifiers=5)
+        with pytest.raises(ValueError, match="differs from the checkpoint"):
+            self.model_classes[0][0].from_pretrained(tmp_path, config=self.get_config(num_puzzle_identifiers=4))
+        assert self.puzzle_class.from_pretrained(tmp_path, num_puzzle_identifiers=3).config.num_puzzle_identifiers == 3
+
+    def test_puzzle_model_remote_code_round_trip(self, tmp_path):
+        # The *ForPuzzles checkpoint loads through AutoModelForTokenClassification without hf_fixedpoint installed.
+        model = self.build_puzzle().eval()
+        ckpt, io = tmp_path / "ckpt", tmp_path / "io"
+        io.mkdir()
+        model.save_pretrained(ckpt)
+        inputs = self.prepare_inputs(model.config)
+        torch.save(inputs, io / "inputs.pt")
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home"), "PYTHONPATH": ""}
+        proc = subprocess.run([sys.executable, "-c", _CHILD, str(ckpt), "AutoModelForTokenClassification", str(io)],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        report = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert report["module"].startswith("transformers_modules.") and not report["hf_fixedpoint_loaded"]
+        # The child backpropagates the logits only: every parameter but the Q-halt head's weight and bias gets a grad.
+        assert report["n_grads"] == report["n_params"] - 2
+        with torch.no_grad():
+            expected = model(**inputs).logits
+        torch.testing.assert_close(torch.load(io / "child_out.pt"), expected, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,77 @@
+"""recipes/reasoning.py: a few steps per model on tiny A5 data, evaluation at two lengths, export, resume, errors."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("datasets")
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["--task", "a5", "--task_kwargs", '{"num_samples": 16, "length": 4}',
+        "--test_task_kwargs", '[{"num_samples": 8, "length": 4}, {"num_samples": 8, "length": 8}]',
+        "--batch_size", "4", "--eval_batch_size", "8", "--hidden_size", "16", "--num_attention_heads", "2",
+        "--halt_max_steps", "2", "--warmup_steps", "1"]
+SMALL = {"fprm": '{"bptt_window": 2, "fp_max_iter": 4, "fp_eval_max_iter": 8, "mlp_multiple_of": 8}',
+         "trm": '{"H_cycles": 2, "L_cycles": 1, "mlp_multiple_of": 8}',
+         "attractor": '{"H_cycles": 1, "fp_max_iter": 3, "fp_min_iter": 1, "mlp_multiple_of": 8}',
+         "urm": '{"L_cycles": 1, "fp_max_iter": 1, "mlp_multiple_of": 8}'}
+
+
+def run(args, tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    return subprocess.run([sys.executable, "-m", "recipes.reasoning", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.mark.parametrize("model", ["fprm", "trm", "attractor", "urm"])
+def test_every_model_trains_evaluates_and_exports(model, tmp_path, capsys):
+    from transformers import AutoModelForTokenClassification
+
+    from recipes.reasoning import main
+
+    out = tmp_path / model
+    main(["--model", model, *TINY, "--model_kwargs", SMALL[model], "--num_layers", "1", "--max_steps", "2",
+          "--eval_every", "2", "--output_dir", str(out)])
+    assert "eval step 2" in capsys.readouterr().out
+    final = json.loads((out / "metrics.json").read_text())["final"]
+    for length in (4, 8):
+        r = final[f'{{"length": {length}, "num_samples": 8}}']
+        assert 0 <= r["exact_accuracy"] <= 1 and 0 <= r["cell_accuracy"] <= 1 and r["iterations_mean"] >= 1
+        assert r["by_difficulty"] == [{"length": [length, length], "n": 8, "exact_accuracy": r["exact_accuracy"],
+                                       "iterations_mean": r["iterations_mean"]}]
+    loaded = AutoModelForTokenClassification.from_pretrained(out, trust_remote_code=True)
+    assert loaded.config.model_type == ("trm" if model == "attractor" else model)
+    assert getattr(loaded.config, "deq", False) == (model == "attractor")
+    assert loaded.config.puzzle_metadata["task"] == "a5"
+
+
+def test_resume_continues_from_the_saved_step(tmp_path, capsys):
+    from recipes.reasoning import main
+
+    # First as a module (the user's command form), then resumed in-process.
+    out = tmp_path / "run"
+    common = ["--model", "urm", *TINY, "--model_kwargs", SMALL["urm"], "--num_layers", "1", "--eval_every", "2",
+              "--output_dir", str(out)]
+    first = run([*common, "--max_steps", "2"], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    main([*common, "--max_steps", "4", "--resume_from", str(out / "state")])
+    assert "resumed from" in capsys.readouterr().out
+    steps = [h["step"] for h in json.loads((out / "metrics.json").read_text())["history"]]
+    assert steps == [2, 4]
+
+
+def test_bad_arguments(tmp_path):
+    from recipes.reasoning import main
+
+    with pytest.raises(ValueError, match="--model='hrm' is not allowed. Allowed values: 'attractor', 'fprm'"):
+        main(["--model", "hrm", *TINY, "--output_dir", str(tmp_path / "x")])
+    with pytest.raises(ValueError, match="Unknown puzzle task 'chess'"):
+        main(["--task", "chess", "--output_dir", str(tmp_path / "y")])
+    with pytest.raises(ValueError, match="--model_kwargs is not valid JSON"):
+        main(["--model_kwargs", "{bad", *TINY, "--output_dir", str(tmp_path / "z")])
+    with pytest.raises(ValueError, match="max_stpes"):
+        main(["--max_stpes", "2"])
