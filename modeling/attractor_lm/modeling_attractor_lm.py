@@ -226,7 +226,8 @@ class AttractorModel(AttractorPreTrainedModel):
             check_number(readout_iters, "readout_iters", low=0, integer=True)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache is None:  # by default a cache is built only where no gradient is recorded (generation, eval)
+            use_cache = self.config.use_cache and not (self.training and torch.is_grad_enabled())
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
         if not use_cache:

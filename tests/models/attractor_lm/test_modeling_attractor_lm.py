@@ -177,6 +177,7 @@ class TestAttractorLM(FixedPointModelTesterMixin):
             step = model(ids[:, :1], past_key_values=prefill.past_key_values, use_cache=True)
         assert prefill.fp_stats.nstep.shape == (2, 6) and step.fp_stats.nstep.shape == (2, 1)
         assert step.fp_stats.converged.all() and step.logits.shape == (2, 1, 99)
+        assert model.train()(ids, labels=ids).past_key_values is None  # training builds no cache by default
 
     def test_peft_lora_wraps_the_linear_layers(self):
         from peft import LoraConfig, get_peft_model
