@@ -1,0 +1,221 @@
+"""The FPSA operator on its own (float64): exactness of one step, the fixed point, implicit gradients against finite
+differences and a full unroll, the masked adjoint, a causal / RoPE / GQA decoder setup built from transformers' Llama
+pieces, the statistics helpers, learned halting and the bad-input errors."""
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.models.bert.modeling_bert import eager_attention_forward
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from hf_fixedpoint.core.fp_fpsa import (
+    FPSA_DEFAULTS,
+    FPSAHaltingGate,
+    FPSAStats,
+    fpsa_attention,
+    pop_fpsa_kwargs,
+)
+
+B, T, H, DH = 2, 5, 2, 4
+D = H * DH
+
+
+class Block(nn.Module):
+    """A tiny post-norm attention block: q, k, v, o projections and the norm of the residual_norm form."""
+
+    def __init__(self, scale=0.3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
+        for lin in (self.q, self.k, self.v, self.o):
+            nn.init.normal_(lin.weight, std=scale)
+        self.norm = nn.LayerNorm(D)
+        self.training = False
+        self.double()
+
+    def heads(self, t):
+        return t.view(*t.shape[:-1], H, DH).transpose(1, 2)
+
+    def run(self, x, fp, mask=None, **kw):
+        return fpsa_attention(self, x, query=lambda z: self.heads(self.q(z)), key=lambda z: self.heads(self.k(z)),
+                              value=self.heads(self.v(x)), out_proj=self.o, norm=self.norm,
+                              attention_fn=eager_attention_forward, scaling=DH ** -0.5, fp_kwargs=fp,
+                              attention_mask=mask, **kw)
+
+    def attention(self, z, x):
+        """Reference: the per-head outputs (B, T, H, d) of softmax(Q(z) K(z)^T / sqrt(d)) V(x)."""
+        a = torch.softmax(self.heads(self.q(z)) @ self.heads(self.k(z)).transpose(-1, -2) * DH ** -0.5, -1)
+        return (a @ self.heads(self.v(x))).transpose(1, 2)
+
+
+def fp(**kw):
+    base = {"solver": "picard", "tol": 1e-12, "max_iter": 200, "backward": "ift",
+            "backward_kwargs": {"solver": "anderson", "tol": 1e-12, "max_iter": 200}}
+    return {**base, **kw}
+
+
+def x_input():
+    return torch.randn(B, T, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+
+def test_one_step_is_the_plain_attention():
+    blk, x = Block(), x_input()
+    res = blk.run(x, fp(max_iter=1))
+    torch.testing.assert_close(res.output, blk.attention(x, x).flatten(2), rtol=0, atol=0)
+    assert res.iterations.shape == (B, T, H) and bool((res.iterations == 1).all()) and not res.converged.any()
+
+
+@pytest.mark.parametrize("update", ["residual_norm", "plain"])
+def test_converged_iterate_is_a_fixed_point(update):
+    blk, x = Block(), x_input()
+    with torch.no_grad():
+        res = blk.run(x, fp(), update=update)
+    o = res.output.view(B, T, H, DH)
+    z = blk.o(o.flatten(2))
+    z = blk.norm(x + z) if update == "residual_norm" else z
+    assert res.converged.all() and res.iterations.min() >= 3
+    torch.testing.assert_close(blk.attention(z, x), o, rtol=0, atol=1e-10)
+
+
+def test_tanh_step_norm_and_temperature():
+    blk, x = Block(), x_input()
+    with torch.no_grad():
+        plain = blk.run(x, fp()).output
+        tanh = blk.run(x, fp(), step_norm="tanh").output
+        hot = blk.run(x, fp(max_iter=1), log_temperature=torch.full((H,), 0.5, dtype=torch.float64)).output
+    torch.testing.assert_close(tanh, plain, rtol=0, atol=1e-10)  # same fixed point
+    blk.q.weight.data *= torch.exp(torch.tensor(-0.5, dtype=torch.float64))  # tau = e^0.5 divides the logits
+    blk.q.bias.data *= torch.exp(torch.tensor(-0.5, dtype=torch.float64))
+    torch.testing.assert_close(hot, blk.attention(x, x).flatten(2))
+
+
+def test_ift_gradient_matches_finite_differences_and_unroll():
+    blk, x = Block(), x_input().requires_grad_()
+    w = torch.randn(B, T, D, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+
+    def loss(backward="ift", **kw):
+        return (blk.run(x, fp(backward=backward, **kw)).output * w).sum()
+
+    gx_ift, gq_ift = torch.autograd.grad(loss(), (x, blk.q.weight))
+    gx_bptt, gq_bptt = torch.autograd.grad(loss("bptt", backward_kwargs={}), (x, blk.q.weight))
+    torch.testing.assert_close(gx_ift, gx_bptt, rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(gq_ift, gq_bptt, rtol=1e-8, atol=1e-10)
+    # central finite differences on a few input entries
+    for idx in [(0, 0, 0), (1, 3, 5), (0, 4, 7)]:
+        e = torch.zeros_like(x)
+        e[idx] = 1e-6
+        with torch.no_grad():
+            fd = (loss_at(blk, x + e, w) - loss_at(blk, x - e, w)) / 2e-6
+        assert float(fd) == pytest.approx(float(gx_ift[idx]), rel=1e-5, abs=1e-8)
+
+
+def loss_at(blk, x, w):
+    return (blk.run(x, fp()).output * w).sum()
+
+
+def test_adjoint_mask_drops_the_implicit_term_of_unconverged_entries():
+    # Nothing converges in 3 steps at tol 1e-12: with the mask the adjoint is u = dL/dz*, i.e. the one-step gradient.
+    blk, x = Block(), x_input()
+    w = torch.randn(B, T, D, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    grads = {}
+    for name, kw in {"masked": {}, "one_step": {"backward": "one_step", "backward_kwargs": {}},
+                     "unmasked": {"adjoint_mask": False}}.items():
+        extra = {k: v for k, v in kw.items() if k == "adjoint_mask"}
+        res = blk.run(x, fp(max_iter=3, **{k: v for k, v in kw.items() if k != "adjoint_mask"}), **extra)
+        assert not res.converged.any()
+        (grads[name],) = torch.autograd.grad((res.output * w).sum(), blk.k.weight)
+    torch.testing.assert_close(grads["masked"], grads["one_step"], rtol=1e-10, atol=1e-12)
+    assert (grads["unmasked"] - grads["masked"]).abs().max() > 1e-6
+
+
+def test_per_entry_freezing_matches_separate_runs():
+    # An entry's result does not depend on its batch-mates: sample 0 alone gives the same output and counts.
+    blk, x = Block(), x_input()
+    with torch.no_grad():
+        both = blk.run(x, fp(tol=1e-6))
+        alone = blk.run(x[:1], fp(tol=1e-6))
+    torch.testing.assert_close(both.output[:1], alone.output, rtol=0, atol=1e-12)
+    assert torch.equal(both.iterations[:1], alone.iterations)
+    assert both.iterations.unique().numel() > 1  # tokens/heads stop at different iterations
+
+
+def test_causal_rope_gqa_decoder_reuse():
+    """The operator inside a Llama attention: RoPE on Q, K from the iterate, GQA (4 query heads, 2 KV heads) and a
+    causal mask handled by transformers' sdpa function; one step is exactly LlamaAttention, and at convergence earlier
+    tokens ignore later ones."""
+    cfg = LlamaConfig(hidden_size=16, num_attention_heads=4, num_key_value_heads=2, intermediate_size=32,
+                      num_hidden_layers=1, vocab_size=10)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    attn = LlamaAttention(cfg, layer_idx=0).double().eval()
+    rope = LlamaRotaryEmbedding(cfg)
+    x = torch.randn(1, 6, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    cos, sin = (t.double() for t in rope(x, torch.arange(6)[None]))
+    mask = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]
+
+    def heads(t):
+        return t.view(*t.shape[:-1], -1, attn.head_dim).transpose(1, 2)
+
+    def run(xx, max_iter):
+        n = xx.shape[1]
+
+        def q(z, c, s):
+            return apply_rotary_pos_emb(heads(attn.q_proj(z)), heads(attn.q_proj(z)), c, s)[0]
+
+        def k(z, c, s):
+            return apply_rotary_pos_emb(heads(attn.k_proj(z)), heads(attn.k_proj(z)), c, s)[1]
+
+        res = fpsa_attention(attn, xx, query=q, key=k, value=heads(attn.v_proj(xx)), out_proj=attn.o_proj,
+                             norm=None, attention_fn=sdpa_attention_forward, scaling=attn.scaling,
+                             fp_kwargs=fp(max_iter=max_iter), attention_mask=mask[..., :n, :n],
+                             extra=(cos[:, :n], sin[:, :n]))
+        return attn.o_proj(res.output)
+
+    with torch.no_grad():
+        torch.testing.assert_close(run(x, 1), attn(x, (cos, sin), mask)[0], rtol=0, atol=0)
+        full, prefix = run(x, 200), run(x[:, :4], 200)
+    torch.testing.assert_close(full[:, :4], prefix, rtol=0, atol=1e-10)
+
+
+def test_stats_helpers_by_hand():
+    its = torch.tensor([[[1, 2], [3, 16]], [[4, 4], [16, 2]]])  # (B=2, T=2, H=2), one layer
+    conv = its < 16
+    stats = FPSAStats(iterations_per_layer=[its], converged_per_layer=[conv], max_iter=16)
+    assert stats.median == 3.5 and stats.nfe == 16 and stats.cap_hit_rate == 0.25
+    assert stats.quantile(0.0) == 1.0 and stats.quantile(1.0) == 16.0
+    stats.token_mask = torch.tensor([[True, False], [True, False]])  # drop the padded tokens
+    assert stats.cap_hit_rate == 0.0 and stats.median == 3.0 and stats.all_converged
+    s = stats.summary()
+    assert s["fpsa_iter_mean"] == 2.75 and s["fpsa_iter_max"] == 4.0 and s["fpsa_converged_fraction"] == 1.0
+
+
+def test_learned_halting_gate_and_act():
+    blk, x = Block(), x_input()
+    gate = FPSAHaltingGate(H).double()
+    gate.reset_parameters(4.0)
+    feats = torch.randn(B, T, H, 3, dtype=torch.float64)
+    torch.testing.assert_close(gate(feats), torch.full((B, T, H), 0.25, dtype=torch.float64))
+    res = blk.run(x, fp(max_iter=8), halting="learned", halting_gate=gate,
+                  margin_fn=lambda z: z[..., :3])
+    assert bool((res.iterations == 4).all()) and res.ponder_cost.shape == (B, T, H)
+    with torch.no_grad():
+        gate.bias.fill_(20.0)  # p ~ 1: every entry halts after the exact first step
+    torch.testing.assert_close(blk.run(x, fp(max_iter=8), halting="learned", halting_gate=gate).output,
+                               blk.attention(x, x).flatten(2))
+
+
+def test_bad_input():
+    blk, x = Block(), x_input()
+    with pytest.raises(ValueError, match="fpsa_update='tied' is not allowed"):
+        blk.run(x, fp(), update="tied")
+    with pytest.raises(ValueError, match="fpsa_halting='learned' needs a halting_gate"):
+        blk.run(x, fp(), halting="learned")
+    with pytest.raises(ValueError, match="Unknown FPSA setting"):
+        pop_fpsa_kwargs({"fpsa_tol": 1e-3})
+    with pytest.raises(ValueError, match="fpsa_ponder_budget"):
+        pop_fpsa_kwargs({"fpsa_ponder_budget": 0.5})
+    with pytest.raises(ValueError, match="fpsa_learn_temperature"):
+        pop_fpsa_kwargs({"fpsa_learn_temperature": "yes"})
+    assert pop_fpsa_kwargs({}) == FPSA_DEFAULTS
