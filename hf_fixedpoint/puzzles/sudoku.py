@@ -26,6 +26,7 @@ _COL = [i % 9 for i in range(81)]
 _BOX = [(i // 27) * 3 + (i % 9) // 3 for i in range(81)]
 _ALL = 0b1111111110  # bits 1..9
 _POPCOUNT = [bin(m).count("1") for m in range(1 << 10)]
+_BITS = [[1 << d for d in range(1, 10) if m >> d & 1] for m in range(1 << 10)]  # set bits of a candidate mask
 
 
 class _Search:
@@ -62,13 +63,14 @@ class _Search:
             if self.solution is None:
                 self.solution = list(grid)
             return self.count >= self.limit
+        row_of, col_of, box_of, popcount, forbid = _ROW, _COL, _BOX, _POPCOUNT, self.forbid_cell  # local lookups
         best_j, best_n, best_m = -1, 10, 0
         for j in range(depth, len(empties)):
             i = empties[j]
-            m = _ALL & ~(rows[_ROW[i]] | cols[_COL[i]] | boxes[_BOX[i]])
-            if i == self.forbid_cell:
+            m = _ALL & ~(rows[row_of[i]] | cols[col_of[i]] | boxes[box_of[i]])
+            if i == forbid:
                 m &= ~self.forbid_bit
-            n = _POPCOUNT[m]
+            n = popcount[m]
             if n < best_n:
                 best_j, best_n, best_m = j, n, m
                 if n <= 1:
@@ -79,8 +81,9 @@ class _Search:
         empties[depth], empties[best_j] = empties[best_j], empties[depth]
         i = empties[depth]
         r, c, b = _ROW[i], _COL[i], _BOX[i]
-        bits = [1 << d for d in range(1, 10) if best_m >> d & 1]
+        bits = _BITS[best_m]
         if self.rng is not None:
+            bits = list(bits)
             self.rng.shuffle(bits)
         for bit in bits:
             grid[i] = bit.bit_length() - 1
