@@ -13,10 +13,11 @@ What it does, top to bottom:
    supervision step for every slot; a slot takes a new puzzle when it halts), AdamATan2 on the parameters, sign-SGD
    on the touched rows of the sparse puzzle-embedding table, linear warmup then a constant learning rate, and an EMA
    of the parameters used for evaluation and export;
-4. periodic evaluation: exact (whole-sequence) and per-cell accuracy, and iterations used versus difficulty
-   (A5 length, Sudoku backtracks). FPRM is evaluated with one full solve per puzzle (adaptive iterations); TRM and
-   URM run ``halt_max_steps`` supervision steps, and their iterations are counted up to the first step whose
-   Q-halt logit is positive;
+4. periodic evaluation (``hf_fixedpoint.puzzles.evaluation``): exact (whole-sequence) and per-cell accuracy,
+   iterations used versus difficulty (A5 length, Sudoku backtracks) and, for ARC, pass@1/2 after voting over the
+   augmented copies (ties broken by ``sigmoid(q_halt)``). FPRM is evaluated with one full solve per puzzle
+   (adaptive iterations); TRM and URM run ``halt_max_steps`` supervision steps, and their iterations are counted
+   up to the first step whose Q-halt logit is positive;
 5. export: ``save_pretrained`` (EMA weights) -> loads with ``AutoModelForTokenClassification.from_pretrained(dir,
    trust_remote_code=True)``; ``metrics.json`` holds every evaluation.
 """
@@ -37,6 +38,14 @@ from hf_fixedpoint.core.fp_registry import check_choice
 from hf_fixedpoint.modeling import FPRMConfig, FPRMForPuzzles, TRMConfig, TRMForPuzzles, URMConfig, URMForPuzzles
 from hf_fixedpoint.optim import AdamATan2, ema_model
 from hf_fixedpoint.puzzles import build_dataset
+from hf_fixedpoint.puzzles.evaluation import (
+    arc_pass_at_k,
+    cell_accuracy,
+    exact_accuracy,
+    format_table,
+    iterations_vs_difficulty,
+    sequence_correct,
+)
 
 # --model name -> (config class, model class, config defaults)
 MODELS = {
@@ -126,39 +135,34 @@ def batches(ds, batch_size, device, shuffle, seed=0, drop_last=True):
 
 @torch.no_grad()
 def evaluate(model, ds, meta, args, device):
-    """Exact and cell accuracy, and iterations used per difficulty value, over one test set."""
+    """Exact and cell accuracy, iterations used versus difficulty and, for ARC, pass@k with augmentation voting."""
     model.eval()
-    exact, cells, iters = [], [], []
+    preds, labels, scores, iters = [], [], [], []
     for b in batches(ds, args.eval_batch_size, device, shuffle=False, drop_last=False):
         if args.model == "fprm":  # one full solve: iterations adapt to the puzzle
-            out = model(b["inputs"], b["puzzle_identifiers"], b["labels"])
+            out = model(b["inputs"], b["puzzle_identifiers"])
             used = out.iterations
         else:  # the research code's evaluation: halt_max_steps steps; iterations counted up to the first Q-halt
             carry = model.initial_carry(b["inputs"].shape[0], device)
             used = None
             for _ in range(model.config.halt_max_steps):
-                out = model(b["inputs"], b["puzzle_identifiers"], b["labels"], carry=carry)
+                out = model(b["inputs"], b["puzzle_identifiers"], carry=carry)
                 carry = out.carry
                 first = (out.q_halt_logits > 0) if used is None else (out.q_halt_logits > 0) & (used < 0)
                 used = torch.where(first, carry["iterations"], -1 if used is None else used)
             used = torch.where(used < 0, carry["iterations"], used)
-        exact.append(out.metrics["exact"].float().cpu())
-        cells.append(out.metrics["cell_accuracy"].cpu())
-        iters.append(used.float().cpu())
-    exact, cells, iters = torch.cat(exact), torch.cat(cells), torch.cat(iters)
-    result = {"exact_accuracy": exact.mean().item(), "cell_accuracy": cells.mean().item(),
-              "iterations_mean": iters.mean().item(), "num_puzzles": len(exact)}
+        preds.append(out.logits.argmax(-1).cpu())
+        labels.append(b["labels"].cpu())
+        scores.append(torch.sigmoid(out.q_halt_logits).cpu())
+        iters.append(used.cpu())
+    preds, labels, scores, iters = (torch.cat(t) for t in (preds, labels, scores, iters))
+    correct = sequence_correct(preds, labels)
+    result = {"exact_accuracy": exact_accuracy(preds, labels), "cell_accuracy": cell_accuracy(preds, labels),
+              "iterations_mean": iters.float().mean().item(), "num_puzzles": len(preds)}
     if meta.difficulty and meta.difficulty in ds.column_names:
-        diff = torch.tensor(ds[meta.difficulty]).float()
-        edges = torch.quantile(diff, torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0])).unique()  # difficulty quartiles
-        edges = edges.repeat(2) if len(edges) == 1 else edges  # a single value: one bin
-        table = []
-        for lo, hi in zip(edges[:-1], edges[1:]):
-            sel = (diff >= lo) & ((diff <= hi) if hi == edges[-1] else (diff < hi))
-            if sel.any():
-                table.append({meta.difficulty: [lo.item(), hi.item()], "n": int(sel.sum()),
-                              "exact_accuracy": exact[sel].mean().item(), "iterations_mean": iters[sel].mean().item()})
-        result["by_difficulty"] = table
+        result["iterations_vs_difficulty"] = iterations_vs_difficulty(iters, ds[meta.difficulty], correct)
+    if args.task.startswith("arc"):
+        result.update(arc_pass_at_k(ds, preds, scores, ks=(1, 2)))
     model.train()
     return result
 
@@ -210,8 +214,11 @@ def main(argv=None):
         results = {name: evaluate(eval_model(), ds, m, args, accelerator.device) for name, ds, m in test_sets}
         history.append({"step": step, **results})
         for name, r in results.items():
+            arc = "".join(f" {k} {r[k]:.3f}" for k in ("pass@1", "pass@2") if k in r)
             accelerator.print(f"eval step {step} {name}: exact {r['exact_accuracy']:.3f} cell "
-                              f"{r['cell_accuracy']:.3f} iterations {r['iterations_mean']:.1f}")
+                              f"{r['cell_accuracy']:.3f} iterations {r['iterations_mean']:.1f}{arc}")
+            if "iterations_vs_difficulty" in r:
+                accelerator.print(format_table(r["iterations_vs_difficulty"]))
 
     # 3. Training: the carry persists across optimizer steps (deep supervision).
     stream = batches(train_ds, args.batch_size, accelerator.device, shuffle=True,

@@ -41,8 +41,9 @@ def test_every_model_trains_evaluates_and_exports(model, tmp_path, capsys):
     for length in (4, 8):
         r = final[f'{{"length": {length}, "num_samples": 8}}']
         assert 0 <= r["exact_accuracy"] <= 1 and 0 <= r["cell_accuracy"] <= 1 and r["iterations_mean"] >= 1
-        assert r["by_difficulty"] == [{"length": [length, length], "n": 8, "exact_accuracy": r["exact_accuracy"],
-                                       "iterations_mean": r["iterations_mean"]}]
+        (row,) = r["iterations_vs_difficulty"]
+        assert row["difficulty"] == length and row["count"] == 8 and row["accuracy"] == r["exact_accuracy"]
+        assert row["mean_iterations"] == r["iterations_mean"]
     loaded = AutoModelForTokenClassification.from_pretrained(out, trust_remote_code=True)
     assert loaded.config.model_type == ("trm" if model == "attractor" else model)
     assert getattr(loaded.config, "deq", False) == (model == "attractor")
