@@ -1,0 +1,185 @@
+"""What the FPSA recipes (``fpsa_glue``, ``fpsa_squad``, ``fpsa_vit``) share: training arguments, the accelerate
+training loop with resume, and the iteration statistics they log.
+
+Each recipe prepares its own data, model and evaluation and then calls ``train``; this module holds no task logic.
+"""
+
+import itertools
+import json
+import math
+import os
+import re
+import time
+from dataclasses import dataclass, field
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, set_seed
+from tqdm.auto import tqdm
+from transformers import get_linear_schedule_with_warmup
+
+from hf_fixedpoint.core.fp_fpsa import FPSAStats
+from hf_fixedpoint.hub import export
+
+# FPSA knobs a recipe forwards to ``from_pretrained`` / the config when set on the command line.
+FP_KNOBS = ("fp_max_iter", "fp_tol", "fp_backward", "fpsa_update", "fpsa_step_norm", "fpsa_spectral_norm",
+            "fpsa_halting")
+
+
+@dataclass
+class TrainingArgs:
+    """Options every FPSA recipe takes (the recipe's own dataclass adds model and data options)."""
+
+    output_dir: str = field(default="runs/fpsa", metadata={"help": "checkpoints, metrics and the exported model"})
+    num_train_epochs: float = field(default=3.0, metadata={"help": "passes over the training set"})
+    max_steps: int = field(default=-1, metadata={"help": "optimizer steps; > 0 overrides num_train_epochs"})
+    per_device_train_batch_size: int = field(default=16, metadata={"help": "examples per step and process"})
+    per_device_eval_batch_size: int = field(default=32, metadata={"help": "examples per evaluation batch"})
+    learning_rate: float = field(default=5e-5, metadata={"help": "AdamW peak learning rate"})
+    weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay"})
+    warmup_ratio: float = field(default=0.1, metadata={"help": "linear warm-up share of the steps"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm (<= 0: no clipping)"})
+    bf16: bool = field(default=False, metadata={"help": "bfloat16 autocast (accelerate mixed_precision='bf16')"})
+    seed: int = field(default=0, metadata={"help": "random seed"})
+    logging_steps: int = field(default=10, metadata={"help": "steps between log lines"})
+    checkpointing_steps: int = field(default=0, metadata={"help": "save the training state every N steps (0: at "
+                                                                  "the end only)"})
+    resume_from_checkpoint: str = field(default=None, metadata={"help": "a step_<n> folder written by an earlier "
+                                                                        "run, or 'latest' (newest in output_dir)"})
+    fp_max_iter: int = field(default=None, metadata={"help": "FPSA iteration cap (default: the checkpoint's)"})
+    fp_tol: float = field(default=None, metadata={"help": "FPSA relative-change tolerance (default: checkpoint's)"})
+    fp_backward: str = field(default=None, metadata={"help": "FPSA backward mode, e.g. ift | phantom | bptt"})
+    fpsa_update: str = field(default=None, metadata={"help": "FPSA update form: residual_norm | plain"})
+    fpsa_step_norm: str = field(default=None, metadata={"help": "FPSA step norm: none | tanh"})
+    fpsa_spectral_norm: str = field(default=None, metadata={"help": "spectral norm: none | qk | qko"})
+    fpsa_halting: str = field(default=None, metadata={"help": "FPSA halting: tolerance | learned (FPSA-LH)"})
+
+
+def fp_overrides(args) -> dict:
+    """The FPSA knobs set on the command line, as keyword arguments for ``from_pretrained`` or a config."""
+    return {k: getattr(args, k) for k in FP_KNOBS if getattr(args, k) is not None}
+
+
+def make_accelerator(args) -> Accelerator:
+    """One accelerate set-up for all recipes: bf16 on request, CPU when no GPU is present, a fixed seed.
+
+    The seedable sampler makes each epoch's shuffle a function of (seed, epoch), so a resumed run sees the batches
+    the interrupted one would have seen.
+    """
+    accelerator = Accelerator(mixed_precision="bf16" if args.bf16 else "no", cpu=not torch.cuda.is_available(),
+                              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    set_seed(args.seed)
+    return accelerator
+
+
+def merge_fpsa_stats(stats_list):
+    """One ``FPSAStats`` over several forward passes (e.g. every evaluation batch), padding tokens dropped.
+
+    Batches differ in length, so each layer's real-token entries are flattened before they are joined; the merged
+    object's ``summary()`` gives the median / p90 / p99 iterations and cap-hit rate over the whole set.
+    """
+    stats_list = [s for s in stats_list if s is not None and s.iterations_per_layer]
+    merged = FPSAStats(max_iter=max((s.max_iter for s in stats_list), default=1))
+    for s in stats_list:
+        mask = s.token_mask.bool() if s.token_mask is not None else None
+        for it, conv in zip(s.iterations_per_layer, s.converged_per_layer):
+            merged.iterations_per_layer.append(it[mask].flatten() if mask is not None else it.flatten())
+            merged.converged_per_layer.append(conv[mask].flatten() if mask is not None else conv.flatten())
+    return merged
+
+
+def iteration_summary(stats) -> dict:
+    """``stats.summary()`` (median / p90 / p99 iterations, cap-hit rate...) or ``{}`` without FPSA layers."""
+    return stats.summary() if stats is not None and stats.iterations_per_layer else {}
+
+
+def _latest_checkpoint(output_dir):
+    folders = [f for f in os.listdir(output_dir) if re.fullmatch(r"step_\d+", f)] if os.path.isdir(output_dir) else []
+    if not folders:
+        raise FileNotFoundError(f"resume_from_checkpoint='latest' but {output_dir!r} has no step_<n> folder")
+    return os.path.join(output_dir, max(folders, key=lambda f: int(f[5:])))
+
+
+def train(args, accelerator, model, train_loader, loss_fn=None):
+    """AdamW + linear schedule training loop with clipping, progress bar, iteration statistics and resume.
+
+    Args:
+        model, train_loader: not yet prepared; ``train`` prepares them with the optimizer and scheduler.
+        loss_fn: ``loss_fn(model, batch) -> outputs`` with ``outputs.loss``; default ``model(**batch)``.
+    Returns:
+        ``(unwrapped model, history)``; history is a list of the logged dicts. The training state (model, optimizer,
+        scheduler, RNG) is saved with ``accelerator.save_state`` to ``output_dir/step_<n>`` every
+        ``checkpointing_steps`` and at the end, and ``resume_from_checkpoint`` continues from such a folder.
+    """
+    loss_fn = loss_fn or (lambda m, batch: m(**batch))
+    steps_per_epoch = max(1, math.ceil(len(train_loader) / accelerator.num_processes))
+    total = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
+    no_decay = ("bias", "LayerNorm.weight", "layernorm.weight", "norm.weight")
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if not n.endswith(no_decay)],
+         "weight_decay": args.weight_decay},
+        {"params": [p for n, p in model.named_parameters() if n.endswith(no_decay)], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=args.learning_rate)
+    scheduler = get_linear_schedule_with_warmup(optimizer, int(args.warmup_ratio * total), total)
+    model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
+
+    step, resume = 0, args.resume_from_checkpoint
+    if resume:
+        resume = _latest_checkpoint(args.output_dir) if resume == "latest" else resume
+        step = int(re.search(r"step_(\d+)$", os.path.normpath(resume)).group(1))
+
+    history, t0 = [], time.time()
+    bar = tqdm(total=total, initial=step, desc="train", disable=not accelerator.is_local_main_process)
+    model.train()
+    while step < total:
+        epoch, skip = divmod(step, steps_per_epoch)
+        if hasattr(train_loader, "set_epoch"):
+            train_loader.set_epoch(epoch)
+        batches = iter(accelerator.skip_first_batches(train_loader, skip) if skip else train_loader)
+        first = next(batches, None)
+        if resume:
+            # Restored only now: starting the data iterator draws from the global RNG, as it did in the
+            # interrupted run before the checkpoint was written, so the dropout masks match that run's.
+            accelerator.load_state(resume)
+            accelerator.print(f"resumed from {resume} at step {step}")
+            resume = None
+        for batch in itertools.chain([first] if first is not None else [], batches):
+            outputs = loss_fn(model, batch)
+            accelerator.backward(outputs.loss)
+            if args.max_grad_norm > 0:
+                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            step += 1
+            bar.update(1)
+            if step % args.logging_steps == 0 or step == total:
+                record = {"step": step, "loss": outputs.loss.item(), "lr": scheduler.get_last_lr()[0],
+                          **iteration_summary(getattr(outputs, "fp_stats", None)), "seconds": time.time() - t0}
+                history.append(record)
+                bar.set_postfix(loss=f"{record['loss']:.3f}")
+                accelerator.print(" ".join(f"{k} {v:.4g}" for k, v in record.items()))
+            if (args.checkpointing_steps > 0 and step % args.checkpointing_steps == 0) or step == total:
+                accelerator.save_state(os.path.join(args.output_dir, f"step_{step}"))
+            if step >= total:
+                break
+    bar.close()
+    return accelerator.unwrap_model(model), history
+
+
+def finish(args, accelerator, model, metrics: dict, history: list, tokenizer=None) -> None:
+    """End of a run: print the evaluation, write ``metrics.json`` (with the training log) and export the model.
+
+    The export (``hf_fixedpoint.hub.export``) folds spectral-norm parametrizations into plain weights, writes the
+    modeling code and vendored core next to them and checks that the folder loads as remote code.
+    """
+    accelerator.print("eval " + " ".join(f"{k} {v:.3g}" for k, v in metrics.items()))
+    accelerator.print("metrics: " + json.dumps(metrics))
+    if accelerator.is_main_process:
+        export(model, args.output_dir)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(args.output_dir)
+        with open(os.path.join(args.output_dir, "metrics.json"), "w") as fh:
+            json.dump({"eval": metrics, "train_log": history}, fh, indent=2)
+        accelerator.print(f"exported to {args.output_dir}")

