@@ -134,13 +134,38 @@ class FPSAStats:
     token_mask: Optional[torch.Tensor] = None
     ponder_cost_per_layer: List[torch.Tensor] = field(default_factory=list)
 
-    def add(self, result: "FPSAResult") -> None:
-        self.iterations_per_layer.append(result.iterations)
-        self.converged_per_layer.append(result.converged)
-        self.solves.append(result.stats)
+    _slots: dict = field(default_factory=dict, repr=False)
+
+    def add(self, result: "FPSAResult", layer: Optional[nn.Module] = None) -> None:
+        """Record one layer's result. A layer that runs again in the same pass (activation checkpointing recomputes
+        it during backward) replaces its entry instead of adding one."""
+        i = self._slots.get(id(layer)) if layer is not None else None
+        if i is None:
+            if layer is not None:
+                self._slots[id(layer)] = len(self.iterations_per_layer)
+            self.iterations_per_layer.append(result.iterations)
+            self.converged_per_layer.append(result.converged)
+            self.solves.append(result.stats)
+            if result.ponder_cost is not None:
+                self.ponder_cost_per_layer.append(result.ponder_cost)
+        else:
+            self.iterations_per_layer[i], self.converged_per_layer[i] = result.iterations, result.converged
+            self.solves[i] = result.stats
         self.max_iter = max(self.max_iter, result.max_iter)
-        if result.ponder_cost is not None:
-            self.ponder_cost_per_layer.append(result.ponder_cost)
+
+    @classmethod
+    def merge(cls, stats_list) -> "FPSAStats":
+        """One ``FPSAStats`` over several forward passes (e.g. every evaluation batch) for whole-set summaries:
+        each layer's real-token entries are flattened (batches differ in length), so use ``summary()`` / ``quantile``
+        on the result, not ``iterations``."""
+        stats_list = [s for s in stats_list if s is not None and s.iterations_per_layer]
+        merged = cls(max_iter=max((s.max_iter for s in stats_list), default=1))
+        for s in stats_list:
+            m = s.token_mask.bool() if s.token_mask is not None else None
+            for it, conv in zip(s.iterations_per_layer, s.converged_per_layer):
+                merged.iterations_per_layer.append(it[m].flatten() if m is not None else it.flatten())
+                merged.converged_per_layer.append(conv[m].flatten() if m is not None else conv.flatten())
+        return merged
 
     @property
     def iterations(self) -> torch.Tensor:

@@ -94,7 +94,7 @@ class FPSABertSelfAttention(BertSelfAttention):
             margin_fn=fpsa_margin_fn, attention_kwargs=kwargs,
         )
         if fpsa_stats is not None:
-            fpsa_stats.add(result)
+            fpsa_stats.add(result, layer=self)
         return result.output, result.attn_weights
 
 

@@ -75,7 +75,7 @@ class FPSAViTAttention(ViTAttention):
             margin_fn=fpsa_margin_fn, attention_kwargs=kwargs,
         )
         if fpsa_stats is not None:
-            fpsa_stats.add(result)
+            fpsa_stats.add(result, layer=self)
         return self.o_proj(result.output), result.attn_weights
 
 
@@ -143,6 +143,10 @@ class FPSAViTForImageClassification(FPSAHeadMixin, FPSAViTPreTrainedModel, ViTFo
         self.vit = FPSAViTModel(config, add_pooling_layer=False)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels) if config.num_labels > 0 else nn.Identity()
         self.post_init()
+
+    def fpsa_margin_fn(self):
+        # Learned halting: the classifier read on every token's iterate (the CLS token's is the prediction's margin).
+        return self.classifier if self.config.num_labels > 1 else None
 
 
 __all__ = ["FPSAViTForImageClassification", "FPSAViTModel", "FPSAViTPreTrainedModel"]

@@ -189,6 +189,10 @@ def test_stats_helpers_by_hand():
     assert stats.cap_hit_rate == 0.0 and stats.median == 3.0 and stats.all_converged
     s = stats.summary()
     assert s["fpsa_iter_mean"] == 2.75 and s["fpsa_iter_max"] == 4.0 and s["fpsa_converged_fraction"] == 1.0
+    other = FPSAStats(iterations_per_layer=[torch.tensor([[[7, 16]]])], converged_per_layer=[torch.tensor([[[1, 0]]])
+                      .bool()], max_iter=16)  # a second batch of another length
+    merged = FPSAStats.merge([stats, other])
+    assert merged.summary()["fpsa_iter_mean"] == (1 + 2 + 4 + 4 + 7 + 16) / 6 and merged.cap_hit_rate == 1 / 6
 
 
 def test_learned_halting_gate_and_act():

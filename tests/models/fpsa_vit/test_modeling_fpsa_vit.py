@@ -81,7 +81,9 @@ def test_learned_halting_and_spectral_norm_on_vit():
     out = model(_pixels(2), labels=torch.tensor([0, 2]))
     out.loss.backward()
     assert torch.isfinite(out.loss) and int(out.fp_stats.iterations.max()) <= 5
-    assert model.vit.layers[0].attention.fpsa_halt_gate.bias.grad is not None
+    gate = model.vit.layers[0].attention.fpsa_halt_gate
+    assert gate.bias.grad is not None
+    assert (gate.weight.grad != 0).all()  # all three features (change, entropy, classifier margin) reach the gate
 
 
 def test_bad_input_errors(tmp_path):
