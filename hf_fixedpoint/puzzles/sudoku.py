@@ -148,10 +148,14 @@ def _unit_indices() -> np.ndarray:
 UNITS = _unit_indices()
 
 
-def invalid_solutions(solutions: np.ndarray) -> np.ndarray:
-    """Boolean ``[N]``: True where an ``[N, 81]`` grid is not a complete valid Sudoku (vectorised)."""
-    one_hot = solutions[:, UNITS][..., None] == np.arange(1, 10)  # [N, 27, 9, 9]
-    return ~(one_hot.sum(axis=2) == 1).all(axis=(1, 2))
+def invalid_solutions(solutions: np.ndarray, chunk: int = 65536) -> np.ndarray:
+    """Boolean ``[N]``: True where an ``[N, 81]`` grid is not a complete valid Sudoku (vectorised, in chunks)."""
+    solutions = np.asarray(solutions)
+    out = np.empty(len(solutions), dtype=bool)
+    for lo in range(0, len(solutions), chunk):
+        one_hot = solutions[lo:lo + chunk, UNITS][..., None] == np.arange(1, 10)  # [n, 27, 9, 9]
+        out[lo:lo + chunk] = ~(one_hot.sum(axis=2) == 1).all(axis=(1, 2))
+    return out
 
 
 @dataclass(frozen=True)
