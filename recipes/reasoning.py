@@ -19,7 +19,8 @@ What it does, top to bottom:
    (adaptive iterations); TRM and URM run ``halt_max_steps`` supervision steps, and their iterations are counted
    up to the first step whose Q-halt logit is positive;
 5. export: ``save_pretrained`` (EMA weights) -> loads with ``AutoModelForTokenClassification.from_pretrained(dir,
-   trust_remote_code=True)``; ``metrics.json`` holds every evaluation.
+   trust_remote_code=True)``; ``metrics.json`` holds every evaluation, ``iterations_vs_difficulty_<i>.png`` plots
+   the last one per test set.
 """
 
 import json
@@ -44,6 +45,7 @@ from hf_fixedpoint.puzzles.evaluation import (
     exact_accuracy,
     format_table,
     iterations_vs_difficulty,
+    plot_iterations_vs_difficulty,
     sequence_correct,
 )
 
@@ -271,6 +273,12 @@ def main(argv=None):
                    "final": history[-1] if history else None}
         with open(os.path.join(args.output_dir, "metrics.json"), "w") as fh:
             json.dump(metrics, fh, indent=1)
+        # One curve per test set: iterations used (and exact accuracy) against difficulty.
+        for i, (name, _, test_meta) in enumerate(test_sets):
+            rows = history[-1][name].get("iterations_vs_difficulty") if history else None
+            if rows:
+                plot_iterations_vs_difficulty(rows, os.path.join(args.output_dir, f"iterations_vs_difficulty_{i}.png"),
+                                              title=f"{args.model} {name}", difficulty_name=test_meta.difficulty)
         accelerator.print(f"saved to {args.output_dir}: AutoModelForTokenClassification.from_pretrained("
                           f"{args.output_dir!r}, trust_remote_code=True)")
 

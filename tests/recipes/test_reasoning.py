@@ -47,6 +47,7 @@ def test_every_model_trains_evaluates_and_exports(model, tmp_path, capsys):
     loaded = AutoModelForTokenClassification.from_pretrained(out, trust_remote_code=True)
     assert loaded.config.model_type == ("trm" if model == "attractor" else model)
     assert getattr(loaded.config, "deq", False) == (model == "attractor")
+    assert (out / "iterations_vs_difficulty_1.png").stat().st_size > 0
     assert loaded.config.puzzle_metadata["task"] == "a5"
 
 
