@@ -1,0 +1,113 @@
+"""recipes/stars_ouro.py: the addition demo in miniature, fine-tuning with resume and 2-process CPU DDP, bad flags."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def _run(args, tmp_path, launcher=None, timeout=600, **env_extra):
+    cmd = launcher or [sys.executable, "-m", "recipes.stars_ouro"]
+    env = {**ENV, "HF_HOME": str(tmp_path / "hf_home"), **env_extra}
+    return subprocess.run(cmd + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_addition_demo_tiny(tmp_path):
+    out = tmp_path / "run"
+    proc = _run(["--output_dir", str(out), "--max_steps", "3", "--reg_warmup_steps", "1", "--batch_size", "8",
+                 "--hidden_size", "16", "--eval_size", "20", "--eval_loops", "1,2", "--log_every", "1"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "exact match (%)" in proc.stdout and "stars" in proc.stdout and "baseline" in proc.stdout
+    assert "[stars] step 3 lm_loss" in proc.stderr and "jsrr" in proc.stderr  # logged after the warm-up step
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert set(metrics["exact_match"]) == {"stars", "baseline"} and set(metrics["exact_match"]["stars"]) == {"1", "2"}
+    assert (out / "accuracy_vs_loops.png").stat().st_size > 0
+    config = json.loads((out / "stars" / "config.json").read_text())
+    assert config["model_type"] == "ouro" and config["auto_map"]["AutoModelForCausalLM"].startswith("modeling_ouro.")
+    assert {"modeling_ouro.py", "configuration_ouro.py", "fp_registry.py", "tokenizer.json"} <= set(
+        os.listdir(out / "stars"))
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(out / "stars", trust_remote_code=True)
+    tok = AutoTokenizer.from_pretrained(out / "stars")
+    ids = torch.tensor([tok.convert_tokens_to_ids(list("123+456="))])
+    assert model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, total_ut_steps=2).shape == (1, 11)
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """A tiny 'pretrained' Ouro with a chat tokenizer, and a local jsonl chat dataset."""
+    from hf_fixedpoint.modeling import OuroConfig, OuroForCausalLM
+    from recipes.stars_ouro import char_tokenizer
+
+    root = tmp_path_factory.mktemp("pretrained")
+    tok = char_tokenizer()
+    torch.manual_seed(0)
+    model = OuroForCausalLM(OuroConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32,
+                                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                                       max_position_embeddings=512, total_ut_steps=2,
+                                       pad_token_id=tok.pad_token_id))
+    model.save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    rows = [{"problem": f"What is {a} + {a + 1}?", "solution": f"It is {2 * a + 1}."} for a in range(8)]
+    (root / "data.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    return root
+
+
+def _finetune_args(root, out):
+    return ["--model", str(root / "model"), "--dataset", str(root / "data.jsonl"), "--output_dir", str(out),
+            "--micro_batch_size", "2", "--gradient_accumulation_steps", "2", "--save_every", "1",
+            "--reg_warmup_steps", "0", "--max_seq_length", "160"]
+
+
+def test_finetune_with_accumulation_and_resume(pretrained, tmp_path):
+    out = tmp_path / "ft"
+    proc = _run(_finetune_args(pretrained, out), tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step 2 lm_loss" in proc.stderr and "jsrr" in proc.stderr and "loops" in proc.stderr
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_1", "step_2"]  # 8 rows / (2 x 2) per step
+    assert (out / "final" / "config.json").exists()
+    # resume from the first checkpoint: continues at step 2 and finishes the same schedule
+    proc = _run(_finetune_args(pretrained, out) + ["--resume_from_checkpoint", str(out / "checkpoints" / "step_1")],
+                tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout and "at optimizer step 1" in proc.stdout
+    assert "step 2 lm_loss" in proc.stderr and "step 1 lm_loss" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_finetune_two_process_cpu_ddp(pretrained, tmp_path):
+    out = tmp_path / "ddp"
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "recipes/stars_ouro.py"]
+    # the flag combination that really gives 2 CPU processes (gloo DDP); --cpu alone would give one
+    proc = _run(_finetune_args(pretrained, out), tmp_path, launcher=launcher, ACCELERATE_USE_CPU="1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step 1 lm_loss" in proc.stderr and (out / "final" / "config.json").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--reg_weight", "1.0"], r"reg_weight=1.0 is out of range"),
+    (["--sampler", "gaussian"], "gaussian"),
+    (["--runs", "stars,other"], "--runs="),
+    (["--model", "x"], "--model and --dataset go together"),
+    (["--eval_loops", "0,2"], "--eval_loops"),
+    (["--max_steps", "0"], "--max_steps must be >= 1"),
+])
+def test_bad_flags(flags, message):
+    from recipes.stars_ouro import main
+
+    with pytest.raises(ValueError, match=message.replace("+", r"\+").replace(".", r"\.")):
+        main(flags)
+
+
+def test_unknown_flag_is_an_error(tmp_path):
+    proc = _run(["--max_stpes", "2"], tmp_path, timeout=300)
+    assert proc.returncode != 0 and "max_stpes" in proc.stderr
