@@ -253,7 +253,7 @@ def run(args):
 
     log_path = os.path.join(args.output_dir, "train_log.jsonl")
     os.makedirs(args.output_dir, exist_ok=True)
-    log_file = open(log_path, "a") if accelerator.is_main_process else None
+    log_file = open(log_path, "a" if start else "w") if accelerator.is_main_process else None  # resumed: append
     evals = []
     t0, step = time.time(), start
     bar = tqdm(range(start + 1, args.max_steps + 1), initial=start, total=args.max_steps,
