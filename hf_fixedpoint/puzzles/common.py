@@ -159,6 +159,45 @@ def build_dataset(task: str, split: str, *, seed: int = 0, cache_dir=None, **tas
     return ds, meta
 
 
+CSV_COLUMNS = {"source": ("source",), "q": ("q", "question", "puzzle", "quizzes"),
+               "a": ("a", "answer", "solution", "solutions"), "rating": ("rating", "difficulty")}
+
+
+def read_puzzle_csv(path, required=("q", "a")) -> dict:
+    """Columns of a research-format puzzle CSV (``source,q,a,rating``, one header line) as lists of strings.
+
+    Header names may use common aliases (``question``/``answer``...); a 4-column header with none of them is read
+    positionally as ``source,q,a,rating``, like the research builders do. Missing optional columns are absent
+    from the result. Raises ValueError naming the file and line for a missing required column, a row with the
+    wrong number of fields, or an empty file.
+    """
+    import csv
+
+    with open(path, newline="") as f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        if header is None:
+            raise ValueError(f"{path}: empty file; expected a header line (source,q,a,rating) and puzzle rows.")
+        lowered = [h.strip().lower() for h in header]
+        index = {key: next((lowered.index(a) for a in aliases if a in lowered), None)
+                 for key, aliases in CSV_COLUMNS.items()}
+        if all(v is None for v in index.values()) and len(header) == 4:
+            index = dict(zip(CSV_COLUMNS, range(4)))
+        missing = [key for key in required if index[key] is None]
+        if missing:
+            raise ValueError(f"{path}: the header {header!r} has no column {missing} (expected source,q,a,rating; "
+                             f"aliases: {', '.join(f'{k}={list(v)}' for k, v in CSV_COLUMNS.items())}).")
+        out = {key: [] for key, i in index.items() if i is not None}
+        for line, row in enumerate(reader, start=2):
+            if len(row) != len(header):
+                raise ValueError(f"{path}, line {line}: has {len(row)} fields, the header has {len(header)}.")
+            for key in out:
+                out[key].append(row[index[key]])
+    if not out[required[0]]:
+        raise ValueError(f"{path}: no puzzles after the header.")
+    return out
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Dihedral group of the square, in the research code's numbering (so ARC "t" ids mean the same thing):
 # 0 identity, 1 rot90, 2 rot180, 3 rot270 (counter-clockwise, np.rot90), 4 left-right flip, 5 up-down flip,

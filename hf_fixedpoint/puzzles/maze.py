@@ -12,14 +12,13 @@ Like Maze-Hard, this is a stand-in benchmark, not the original data; drop the re
 
 from __future__ import annotations
 
-import csv
 from collections import deque
 from typing import Optional
 
 import numpy as np
 
 from ..core.fp_registry import check_number
-from .common import PuzzleMetadata, dihedral, register_task, split_rng
+from .common import PuzzleMetadata, dihedral, read_puzzle_csv, register_task, split_rng
 
 CHARSET = "# SGo"
 WALL, OPEN, START, GOAL, PATH = 1, 2, 3, 4, 5
@@ -97,26 +96,14 @@ def generate(rng: np.random.Generator, min_path_length: int = 110, max_tries: in
 
 
 def load_maze_csv(path):
-    """Read a Maze-Hard style CSV (header ``source,q,a,rating``; ``q``/``a``: 900 characters of ``# SGo``).
+    """Read a Maze-Hard CSV (``source,q,a,rating``, see :func:`read_puzzle_csv`; ``q``/``a``: 900 chars of ``# SGo``).
 
     Checks: square grids of one size, known characters, exactly one S and one G, ``a`` equal to ``q`` except
     ``o`` on open cells, and the ``o`` cells forming a shortest S->G path (BFS). Returns ``(inputs, labels,
     path_lengths)``: token arrays ``[N, n*n]`` and ``[N]``.
     """
-    with open(path, newline="") as f:
-        reader = csv.reader(f)
-        header = next(reader, None)
-        if header is None or "q" not in header or "a" not in header:
-            raise ValueError(f"{path}: expected a CSV header with columns source,q,a,rating (at least q and a); "
-                             f"got {header!r}.")
-        qi, ai = header.index("q"), header.index("a")
-        rows = []
-        for line, row in enumerate(reader, start=2):
-            if len(row) != len(header):
-                raise ValueError(f"{path}, line {line}: has {len(row)} fields, the header has {len(header)}.")
-            rows.append((line, row[qi], row[ai]))
-    if not rows:
-        raise ValueError(f"{path}: no mazes after the header.")
+    columns = read_puzzle_csv(path, required=("q", "a"))
+    rows = [(n + 2, q, a) for n, (q, a) in enumerate(zip(columns["q"], columns["a"]))]
     lut = {ch: i + 1 for i, ch in enumerate(CHARSET)}
     inputs, labels, lengths = [], [], []
     side = None

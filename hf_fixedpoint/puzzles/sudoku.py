@@ -10,7 +10,6 @@ backtrack count that rates Sudoku-Extreme, it is 0 for puzzles that fall to nake
 
 from __future__ import annotations
 
-import csv
 import multiprocessing
 import random
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from ..core.fp_registry import check_number
-from .common import PuzzleMetadata, register_task, split_rng
+from .common import PuzzleMetadata, read_puzzle_csv, register_task, split_rng
 
 _ROW = [i // 9 for i in range(81)]
 _COL = [i % 9 for i in range(81)]
@@ -197,32 +196,18 @@ def _csv_error(path, line: int, message: str):
 
 
 def load_sudoku_csv(path, *, check_unique: bool = False):
-    """Read a Sudoku-Extreme style CSV (header ``source,q,a,rating``; ``q``: 81 chars, ``.`` or ``0`` = blank).
+    """Read a Sudoku-Extreme CSV (``source,q,a,rating``, see :func:`read_puzzle_csv`; ``.`` or ``0`` = blank).
 
     The ``a`` (solution) column is optional: without it every puzzle is solved here (unsolvable or ambiguous
     puzzles are errors). With it, each answer must be a valid grid that agrees with the givens. ``check_unique``
     also proves each puzzle has exactly one solution (slow for millions of rows). Returns ``(puzzles, solutions,
     ratings)`` as int arrays ``[N, 81]``, ``[N, 81]``, ``[N]`` (rating -1 when the column is missing).
     """
-    with open(path, newline="") as f:
-        reader = csv.reader(f)
-        header = next(reader, None)
-        if header is None or "q" not in header:
-            raise ValueError(f"{path}: expected a CSV header with columns source,q,a,rating (at least q); got "
-                             f"{header!r}.")
-        qi, ai = header.index("q"), header.index("a") if "a" in header else None
-        ri = header.index("rating") if "rating" in header else None
-        qs, ans, ratings = [], [], []
-        for line, row in enumerate(reader, start=2):
-            if len(row) != len(header):
-                raise _csv_error(path, line, f"has {len(row)} fields, the header has {len(header)}.")
-            qs.append(row[qi])
-            ans.append(row[ai] if ai is not None else None)
-            ratings.append(row[ri] if ri is not None else "-1")
-    if not qs:
-        raise ValueError(f"{path}: no puzzles after the header.")
+    columns = read_puzzle_csv(path, required=("q",))
+    qs, ans = columns["q"], columns.get("a")
+    ratings = columns.get("rating", ["-1"] * len(qs))
     puzzles = _parse_grids(path, qs, ".0123456789", "q")
-    if ai is not None:
+    if ans is not None:
         solutions = _parse_grids(path, ans, "123456789", "a")
         bad = np.flatnonzero(invalid_solutions(solutions))
         if len(bad):
@@ -233,7 +218,7 @@ def load_sudoku_csv(path, *, check_unique: bool = False):
             raise _csv_error(path, clash[0] + 2, "answer `a` contradicts a given digit of `q` (inconsistent row).")
     else:
         solutions = np.zeros_like(puzzles)
-    for n in range(len(puzzles)) if (check_unique or ai is None) else ():
+    for n in range(len(puzzles)) if (check_unique or ans is None) else ():
         count, sol, _ = solve(puzzles[n], limit=2)
         if count == 0:
             raise _csv_error(path, n + 2, "puzzle `q` is unsolvable.")

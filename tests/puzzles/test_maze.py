@@ -84,6 +84,9 @@ def test_csv_loader_reads_official_format(tmp_path):
     assert ds["inputs"] == gen["inputs"] and ds["labels"] == gen["labels"] and ds["difficulty"] == gen["difficulty"]
     inputs, labels, steps = load_maze_csv(_csv(tmp_path / "tiny.csv", [(TINY_Q, TINY_A)]))
     assert inputs.shape == (1, 16) and list(steps) == [6]
+    (tmp_path / "q_only.csv").write_text(f"source,q\nx,{TINY_Q}\n")
+    with pytest.raises(ValueError, match="has no column \\['a'\\]"):
+        load_maze_csv(tmp_path / "q_only.csv")
 
 
 @pytest.mark.parametrize("q,a,message", [

@@ -83,6 +83,16 @@ def test_generated_puzzles_have_unique_solutions_and_are_minimal():
                 assert exact_cover_count(weaker)[0] == 2
 
 
+def test_difficulty_ranks_a_famous_hard_puzzle_above_generated_ones():
+    easter_monster = "1.......2.9.4...5...6...7...5.9.3.......7.......85..4.7.....6...3...9.8...2.....1"
+    grid = [0 if ch == "." else int(ch) for ch in easter_monster]
+    count, solution, backtracks = solve(grid)
+    assert (count, solution) == exact_cover_count(grid)
+    rng = random.Random(0)
+    generated = [generate(rng)[2] for _ in range(10)]
+    assert count == 1 and backtracks > max(generated)
+
+
 def test_solve_counts_and_rejects():
     assert solve([0] * 81)[0] == 2
     clash = [0] * 81
@@ -162,6 +172,10 @@ def test_csv_loader_reads_official_format(tmp_path):
     sub, _ = build_dataset("sudoku", "train", csv_path=str(path), subsample=2, seed=3)
     sub2, _ = build_dataset("sudoku", "train", csv_path=str(path), subsample=2, seed=3)
     assert len(sub) == 2 and sub["inputs"] == sub2["inputs"]
+    # header aliases, and a 4-column header with unknown names read positionally as source,q,a,rating
+    for header in ("id,question,answer,difficulty", "c0,c1,c2,c3"):
+        other = load_sudoku_csv(_write_csv(tmp_path / "alias.csv", rows, header=header))
+        assert all(np.array_equal(x, y) for x, y in zip(other, (puzzles, solutions, ratings)))
     # without the answer column the loader solves the puzzles itself
     q_only = _write_csv(tmp_path / "q.csv", [(r[0], r[1]) for r in rows], header="source,q")
     assert np.array_equal(load_sudoku_csv(q_only)[1], solutions)
@@ -193,5 +207,11 @@ def test_csv_loader_rejects_inconsistent_and_unsolvable(tmp_path):
         load_sudoku_csv(_write_csv(tmp_path / "u.csv", [("x", "55" + "." * 79)], header="source,q"))
     with pytest.raises(ValueError, match="more than one solution"):
         load_sudoku_csv(_write_csv(tmp_path / "m.csv", [("x", "." * 81)], header="source,q"))
-    with pytest.raises(ValueError, match="header"):
-        load_sudoku_csv(_write_csv(tmp_path / "h.csv", [("x", "." * 81)], header="source,question"))
+    with pytest.raises(ValueError, match="has no column \\['q'\\]"):
+        load_sudoku_csv(_write_csv(tmp_path / "h.csv", [("x", "." * 81)], header="source,board"))
+    with pytest.raises(ValueError, match="empty file"):
+        (tmp_path / "e.csv").write_text("")
+        load_sudoku_csv(tmp_path / "e.csv")
+    with pytest.raises(ValueError, match="no puzzles"):
+        (tmp_path / "n.csv").write_text("source,q,a,rating\n")
+        load_sudoku_csv(tmp_path / "n.csv")
