@@ -19,6 +19,7 @@ from .evaluation import (
     plot_iterations_vs_difficulty,
     sequence_correct,
 )
+from .research_format import export_research_format, load_research_format
 
 __all__ = [
     "IGNORE_LABEL_ID",
@@ -31,9 +32,11 @@ __all__ = [
     "cell_accuracy",
     "dihedral",
     "exact_accuracy",
+    "export_research_format",
     "format_table",
     "inverse_dihedral",
     "iterations_vs_difficulty",
+    "load_research_format",
     "plot_iterations_vs_difficulty",
     "sequence_correct",
 ]
