@@ -7,10 +7,12 @@ supervised, so a batch can go straight into a cross-entropy loss.
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Tuple
@@ -83,14 +85,19 @@ def register_task(name: str):
     return TASKS.register(name)
 
 
-def split_rng(task: str, split: str, seed: int, stream: str = "") -> np.random.Generator:
-    """Independent, reproducible generator per ``(task, split, seed, stream)``; train and test never share draws."""
+def split_rng(task: str, split: str, seed: int) -> np.random.Generator:
+    """Independent, reproducible generator per ``(task, split, seed)``; train and test never share draws."""
     check_choice(split, "split", SPLITS)
-    key = zlib.crc32(f"{task}/{stream}".encode())
+    key = zlib.crc32(task.encode())
     return np.random.default_rng(np.random.SeedSequence([int(seed), SPLITS.index(split), key]))
 
 
+# Options that change how fast a split is built, not what it contains: left out of the cache key.
+_SPEED_ONLY_KWARGS = ("num_proc",)
+
+
 def _cache_path(cache_dir, task: str, split: str, seed: int, kwargs: dict) -> str:
+    kwargs = {k: v for k, v in kwargs.items() if k not in _SPEED_ONLY_KWARGS}
     blob = json.dumps({"v": DATA_VERSION, "task": task, "split": split, "seed": seed, "kw": kwargs}, sort_keys=True,
                       default=str)
     return os.path.join(os.fspath(cache_dir), f"{task}-{split}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}")
@@ -130,7 +137,8 @@ def build_dataset(task: str, split: str, *, seed: int = 0, cache_dir=None, **tas
     ``metadata.ignore_label_id`` = -100), ``puzzle_identifiers`` (int), plus task columns (``difficulty``,
     ``group``, ``aug_id``...). The same ``(task, split, seed, task_kwargs)`` always gives the same rows.
     ``cache_dir``: if given, the built split is saved there (``save_to_disk``) and reloaded on the next call with
-    the same arguments. Task options are listed in ``docs/puzzles.md`` and in each builder's docstring.
+    the same arguments; the save is atomic, so processes of a distributed run may share one ``cache_dir``.
+    Task options are listed in ``docs/puzzles.md`` and in each builder's docstring.
     """
     import datasets
 
@@ -153,9 +161,14 @@ def build_dataset(task: str, split: str, *, seed: int = 0, cache_dir=None, **tas
     meta.split, meta.num_examples = split, len(ds)
     meta.build_kwargs = json.loads(json.dumps({"seed": seed, **task_kwargs}, default=str))
     if cacheable:
-        ds.save_to_disk(path)
-        with open(os.path.join(path, "puzzle_metadata.json"), "w") as f:
+        tmp = f"{path}.tmp-{os.getpid()}"
+        ds.save_to_disk(tmp)
+        with open(os.path.join(tmp, "puzzle_metadata.json"), "w") as f:
             json.dump(meta.to_dict(), f)
+        try:
+            os.rename(tmp, path)
+        except OSError:  # another process saved the same split first; both copies are identical
+            shutil.rmtree(tmp, ignore_errors=True)
     return ds, meta
 
 
@@ -171,8 +184,6 @@ def read_puzzle_csv(path, required=("q", "a")) -> dict:
     from the result. Raises ValueError naming the file and line for a missing required column, a row with the
     wrong number of fields, or an empty file.
     """
-    import csv
-
     with open(path, newline="") as f:
         reader = csv.reader(f)
         header = next(reader, None)

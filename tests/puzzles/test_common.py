@@ -40,6 +40,9 @@ def test_cache_dir_reuses_the_built_split(tmp_path):
     assert again.cache_files and again["inputs"] == first["inputs"] and meta2 == meta
     build_dataset("maze", "test", num_mazes=2, min_path_length=31, cache_dir=tmp_path)
     assert len(list(tmp_path.iterdir())) == 2  # other arguments, other entry
+    build_dataset("sudoku", "test", num_puzzles=2, cache_dir=tmp_path)
+    parallel, _ = build_dataset("sudoku", "test", num_puzzles=2, num_proc=2, cache_dir=tmp_path)
+    assert len(list(tmp_path.iterdir())) == 3 and parallel.cache_files  # num_proc changes speed, not data
 
 
 def test_import_hf_fixedpoint_does_not_import_puzzles():
