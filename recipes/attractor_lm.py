@@ -282,7 +282,10 @@ def run(args):
         if args.eval_every and step % args.eval_every == 0:
             ppl, iters = evaluate(accelerator.unwrap_model(model), val_ids, args)
             evals.append({"step": step, "val_ppl": ppl, "val_fp_iters": iters})
-            accelerator.print(f"step {step}: val ppl {ppl:.2f}, solver iterations {iters:.2f}")
+            if args.arch == "attractor":
+                evals[-1]["val_ppl_t0"] = evaluate(accelerator.unwrap_model(model), val_ids, args, readout_iters=0)[0]
+            shown = ", ".join(f"{k} {v:.2f}" for k, v in evals[-1].items() if k != "step")
+            accelerator.print(f"step {step}: {shown}")
         if args.save_every and step % args.save_every == 0:
             accelerator.save_state()
             if accelerator.is_main_process:
