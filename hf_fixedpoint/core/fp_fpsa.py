@@ -480,13 +480,16 @@ class FPSAHeadMixin:
 
 
 def remove_spectral_norm(model: nn.Module) -> None:
-    """Fold every spectral-norm parametrization of ``model`` into a plain weight (the value used in ``eval()``)."""
+    """Fold every spectral-norm parametrization of ``model`` into a plain weight (the value used in ``eval()``) and
+    record it in ``model.config.fpsa_spectral_norm`` so the saved checkpoint is a plain one."""
     was_training = model.training
     model.eval()
     for mod in list(model.modules()):
         if torch.nn.utils.parametrize.is_parametrized(mod, "weight"):
             torch.nn.utils.parametrize.remove_parametrizations(mod, "weight", leave_parametrized=True)
     model.train(was_training)
+    if hasattr(getattr(model, "config", None), "fpsa_spectral_norm"):
+        model.config.fpsa_spectral_norm = "none"
 
 
 __all__ = [

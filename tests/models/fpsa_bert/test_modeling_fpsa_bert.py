@@ -17,6 +17,7 @@ from transformers import (
 )
 
 from hf_fixedpoint.core.fp_fpsa import remove_spectral_norm
+from hf_fixedpoint.hub import export
 from hf_fixedpoint.modeling import (
     FPSABertConfig,
     FPSABertForMaskedLM,
@@ -259,8 +260,8 @@ def test_loads_a_plain_bert_checkpoint_and_exports_spectral_norm(tmp_path):
     with torch.no_grad():
         before = sn(ids, attention_mask=mask).logits
     remove_spectral_norm(sn)  # export: fold the normalised weights; the checkpoint is plain FPSA-BERT again
-    sn.config.fpsa_spectral_norm = "none"
-    sn.save_pretrained(tmp_path / "folded")
+    assert sn.config.fpsa_spectral_norm == "none"
+    export(sn, tmp_path / "folded")  # hf_fixedpoint.hub.export checks the checkpoint is self-contained
     folded = FPSABertForSequenceClassification.from_pretrained(tmp_path / "folded").eval()
     with torch.no_grad():
         torch.testing.assert_close(folded(ids, attention_mask=mask).logits, before)
