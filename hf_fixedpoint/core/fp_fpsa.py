@@ -325,7 +325,8 @@ def fpsa_attention(
         adjoint_mask: ``ift`` backward: keep the implicit term only for converged entries.
         return_weights: also return the attention weights at the fixed point (one extra evaluation, no gradient).
         halting: ``tolerance`` or ``learned`` (then ``halting_gate`` is required).
-        margin_fn: learned halting: ``margin_fn(z) -> (B, T)`` task-head logit margin of the current iterate.
+        margin_fn: learned halting: ``margin_fn(z) -> (B, T, C)`` task-head logits of the current iterate ``z``;
+            the feature is their top-2 margin.
         attention_kwargs: further keyword arguments for ``attention_fn``.
     """
     check_choice(update, "fpsa_update", UPDATE_FORMS)
@@ -342,10 +343,12 @@ def fpsa_attention(
             z = norm(z) if norm is not None else z
         return z
 
+    inv_tau = None if log_temperature is None else torch.exp(-log_temperature).to(x.dtype)[None, :, None, None]
+
     def attend(z, v, mask, ex, p=0.0):
         q = query(z, *ex)
-        if log_temperature is not None:
-            q = q * torch.exp(-log_temperature).to(q.dtype)[None, :, None, None]
+        if inv_tau is not None:
+            q = q * inv_tau
         return attention_fn(module, q, key(z, *ex), v, mask, dropout=p, scaling=scaling, **attention_kwargs)
 
     o1, w1 = attend(x, value, attention_mask, extra, dropout)  # the base model's attention, exactly
@@ -400,8 +403,11 @@ def _learned_halting(step, state, o1, w1, args, max_iter, gate, threshold, margi
         feats = [change.detach()]
         feats.append(_attention_entropy(weights.detach()) if weights is not None else torch.zeros_like(change))
         if margin_fn is not None:
-            top2 = margin_fn(state(o, residual)).topk(2, dim=-1).values
-            feats.append((top2[..., 0] - top2[..., 1]).detach()[..., None].expand(B, T, H).to(o.dtype))
+            with torch.no_grad():
+                logits = margin_fn(state(o, residual))
+            top2 = logits.topk(min(2, logits.shape[-1]), dim=-1).values
+            margin = top2[..., 0] - top2[..., -1]  # zero for a single logit
+            feats.append(margin[..., None].expand(B, T, H).to(o.dtype))
         else:
             feats.append(torch.zeros_like(change))
         act.update(gate(torch.stack(feats, -1)), o)
