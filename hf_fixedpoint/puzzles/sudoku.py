@@ -31,7 +31,8 @@ _BITS = [[1 << d for d in range(1, 10) if m >> d & 1] for m in range(1 << 10)]  
 class _Search:
     """Bit-mask depth-first search with the most-constrained-cell heuristic; counts solutions up to a limit."""
 
-    def __init__(self, grid, rng: Optional[random.Random] = None, forbid: Optional[Tuple[int, int]] = None):
+    def __init__(self, grid, rng: Optional[random.Random] = None, forbid: Optional[Tuple[int, int]] = None,
+                 prefer: Optional[List[int]] = None):
         self.grid = list(grid)
         self.rows, self.cols, self.boxes = [0] * 9, [0] * 9, [0] * 9
         self.consistent = True
@@ -44,7 +45,7 @@ class _Search:
                 self.cols[_COL[i]] |= bit
                 self.boxes[_BOX[i]] |= bit
         self.empties = [i for i, v in enumerate(self.grid) if not v]
-        self.rng = rng
+        self.rng, self.prefer = rng, prefer
         self.forbid_cell, self.forbid_bit = (forbid[0], 1 << forbid[1]) if forbid else (-1, 0)
         self.count = self.backtracks = 0
         self.solution = None
@@ -84,6 +85,9 @@ class _Search:
         if self.rng is not None:
             bits = list(bits)
             self.rng.shuffle(bits)
+        elif self.prefer is not None and best_m >> self.prefer[i] & 1:  # try the preferred digit first
+            first = 1 << self.prefer[i]
+            bits = [first] + [bit for bit in bits if bit != first]
         for bit in bits:
             grid[i] = bit.bit_length() - 1
             rows[r] |= bit
@@ -116,7 +120,9 @@ def generate(rng: random.Random, min_difficulty: int = 0, max_tries: int = 10000
 
     A random full grid (randomised search on the empty grid), then clues removed in random order while the
     solution stays unique: removing cell ``i`` (digit ``v``) keeps uniqueness iff no solution has ``grid[i] != v``,
-    one satisfiability search instead of a count. Returns ``(puzzle, solution, difficulty)`` as lists of 81 ints.
+    one satisfiability search instead of a count. That search tries the known solution's digits first: another
+    solution, where there is one, usually differs from it in a few cells only.
+    Returns ``(puzzle, solution, difficulty)`` as lists of 81 ints.
     """
     for _ in range(max_tries):
         solution = _Search([0] * 81, rng=rng).run(1).solution
@@ -125,7 +131,7 @@ def generate(rng: random.Random, min_difficulty: int = 0, max_tries: int = 10000
         rng.shuffle(order)
         for i in order:
             v, puzzle[i] = puzzle[i], 0
-            if _Search(puzzle, forbid=(i, v)).run(1).count:
+            if _Search(puzzle, forbid=(i, v), prefer=solution).run(1).count:
                 puzzle[i] = v
         difficulty = _Search(puzzle).run(2).backtracks
         if difficulty >= min_difficulty:
