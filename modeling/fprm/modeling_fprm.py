@@ -113,9 +113,13 @@ class FPRMModel(FPRMPreTrainedModel):
         return rms_norm(h, self.config.rms_norm_eps) if self.config.output_norm else h
 
     def _solver(self, fp_overrides):
+        """``fixed_point`` arguments; at evaluation every puzzle must converge (``fp_stop_fraction`` is a training
+        rule) and ``fpopt`` decays its step size by ``eval_step_decay``."""
         kw = fixed_point_kwargs(self.config, self.training, fp_overrides)
-        if kw["solver"] == "fpopt" and not self.training:
-            kw["solver_kwargs"] = {"decay": self.config.eval_step_decay, **(kw["solver_kwargs"] or {})}
+        if not self.training:
+            kw["stop_fraction"] = 0.0
+            if kw["solver"] == "fpopt":
+                kw["solver_kwargs"] = {"decay": self.config.eval_step_decay, **(kw["solver_kwargs"] or {})}
         return kw
 
     def fresh_state(self, batch_size: int, device, seq_len: int) -> dict:

@@ -112,10 +112,12 @@ class TestFPRM(PuzzleModelTesterMixin):
             a, b = model(**batch).logits, model(**batch).logits
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
-    def test_eval_uses_the_slower_step_decay(self):
-        model = self.build(FPRMModel).eval()
-        assert model._solver(None)["solver_kwargs"]["decay"] == 0.99
-        assert model.train()._solver(None)["solver_kwargs"] is None  # training: fpopt's default 0.9
+    def test_eval_waits_for_every_puzzle_with_the_slower_step_decay(self):
+        model = self.build(FPRMModel, fp_stop_fraction=0.5).eval()
+        kw = model._solver(None)
+        assert kw["solver_kwargs"]["decay"] == 0.99 and kw["stop_fraction"] == 0.0
+        kw = model.train()._solver(None)
+        assert kw["solver_kwargs"] is None and kw["stop_fraction"] == 0.5  # training: fpopt's 0.9, the stop rule
 
     def test_longer_inputs_than_training(self):
         model = self.build(FPRMForPuzzles).eval()
