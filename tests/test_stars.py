@@ -119,6 +119,24 @@ def test_warmup_random_state_and_jvp():
     assert len(chosen) > 1
 
 
+def test_max_batch_linearizes_at_a_batch_prefix():
+    model = _tiny_ouro()
+    ids = torch.randint(0, 50, (4, 5), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    out = model(ids, attention_mask=mask, labels=ids)
+    reg = STARSRegularizer(max_batch=2, n_iter=2).regularizer(model, out, step=7)
+    sub = model(ids[:2], attention_mask=mask[:2])  # the same two sequences alone
+    with attention_implementation(model, "eager"):
+        gen = torch.Generator().manual_seed(7)
+        expected = jsrr(sub.loop_step, sub.loop_hidden_states[-1], n_iter=2, generator=gen)
+    torch.testing.assert_close(reg, expected)
+    full = STARSRegularizer(n_iter=2).regularizer(model, out, step=7)
+    assert not torch.allclose(reg, full)
+    with pytest.raises(ValueError, match="max_batch=0 is out of range"):
+        STARSRegularizer(max_batch=0)
+
+
 def test_bad_input():
     for bad in (1.0, -0.1, 1.5):
         with pytest.raises(ValueError, match=r"reg_weight=.* is out of range; allowed values lie in \[0.0, 1.0\)"):

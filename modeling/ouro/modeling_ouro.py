@@ -200,7 +200,13 @@ class OuroModel(OuroPreTrainedModel):
 
     def loop_step(self, hidden_states, attention_mask=None, position_ids=None):
         """One uncached loop as a function of the state alone. The mask is built for the attention implementation
-        active at call time, so a regularizer may switch to eager attention for double backward."""
+        active at call time, so a regularizer may switch to eager attention for double backward. A state holding
+        only the first ``k`` sequences of the batch uses the first ``k`` rows of the mask and positions."""
+        k = hidden_states.shape[0]
+        if attention_mask is not None:
+            attention_mask = attention_mask[:k]
+        if position_ids is not None and position_ids.shape[0] > k:
+            position_ids = position_ids[:k]
         if position_ids is None:
             position_ids = torch.arange(hidden_states.shape[1], device=hidden_states.device)[None]
         mask = create_causal_mask(config=self.config, inputs_embeds=hidden_states, attention_mask=attention_mask,
