@@ -7,7 +7,16 @@ Not imported by ``import hf_fixedpoint``: it needs numpy and datasets (``pip ins
 """
 
 from . import a5, arc, maze, sudoku  # noqa: F401  (register their tasks)
-from .common import IGNORE_LABEL_ID, TASKS, PuzzleMetadata, build_dataset, dihedral, inverse_dihedral
+from .common import (
+    IGNORE_LABEL_ID,
+    TASKS,
+    PuzzleMetadata,
+    build_dataset,
+    dihedral,
+    inverse_dihedral,
+    load_saved,
+    save_split,
+)
 from .evaluation import (
     arc_pass_at_k,
     arc_submission,
@@ -37,6 +46,8 @@ __all__ = [
     "inverse_dihedral",
     "iterations_vs_difficulty",
     "load_research_format",
+    "load_saved",
     "plot_iterations_vs_difficulty",
+    "save_split",
     "sequence_correct",
 ]

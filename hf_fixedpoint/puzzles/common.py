@@ -140,8 +140,6 @@ def build_dataset(task: str, split: str, *, seed: int = 0, cache_dir=None, **tas
     the same arguments; the save is atomic, so processes of a distributed run may share one ``cache_dir``.
     Task options are listed in ``docs/puzzles.md`` and in each builder's docstring.
     """
-    import datasets
-
     builder: Callable = TASKS.get(task)
     check_choice(split, "split", SPLITS)
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
@@ -150,10 +148,8 @@ def build_dataset(task: str, split: str, *, seed: int = 0, cache_dir=None, **tas
     cacheable = cache_dir is not None and not any(k.endswith("path") and v is not None for k, v in task_kwargs.items())
     if cacheable:
         path = _cache_path(cache_dir, task, split, seed, task_kwargs)
-        if os.path.exists(os.path.join(path, "puzzle_metadata.json")):
-            with open(os.path.join(path, "puzzle_metadata.json")) as f:
-                meta = PuzzleMetadata.from_dict(json.load(f))
-            return datasets.load_from_disk(path), meta
+        if os.path.exists(os.path.join(path, METADATA_FILE)):
+            return load_saved(path)
     columns, meta = builder(split, seed=seed, **task_kwargs)
     ds = _to_dataset(columns)
     if ds.features["inputs"].length != meta.seq_len or ds.features["labels"].length != meta.seq_len:
@@ -161,15 +157,43 @@ def build_dataset(task: str, split: str, *, seed: int = 0, cache_dir=None, **tas
     meta.split, meta.num_examples = split, len(ds)
     meta.build_kwargs = json.loads(json.dumps({"seed": seed, **task_kwargs}, default=str))
     if cacheable:
-        tmp = f"{path}.tmp-{os.getpid()}"
-        ds.save_to_disk(tmp)
-        with open(os.path.join(tmp, "puzzle_metadata.json"), "w") as f:
-            json.dump(meta.to_dict(), f)
-        try:
-            os.rename(tmp, path)
-        except OSError:  # another process saved the same split first; both copies are identical
-            shutil.rmtree(tmp, ignore_errors=True)
+        save_split(ds, meta, path, overwrite=False)
     return ds, meta
+
+
+METADATA_FILE = "puzzle_metadata.json"
+
+
+def save_split(dataset, metadata: PuzzleMetadata, folder, overwrite: bool = True) -> str:
+    """Save a split to ``folder`` (``Dataset.save_to_disk`` + ``puzzle_metadata.json``); returns ``folder``.
+
+    Written to a temporary folder first and renamed, so readers never see a half-written split. With
+    ``overwrite=False`` an existing ``folder`` wins (processes that build the same split concurrently).
+    """
+    folder = os.fspath(folder)
+    tmp = f"{folder}.tmp-{os.getpid()}"
+    dataset.save_to_disk(tmp)
+    with open(os.path.join(tmp, METADATA_FILE), "w") as f:
+        json.dump(metadata.to_dict(), f)
+    if overwrite and os.path.exists(folder):
+        shutil.rmtree(folder)
+    try:
+        os.rename(tmp, folder)
+    except OSError:  # another process saved the same split first; both copies are identical
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def load_saved(folder):
+    """``(datasets.Dataset, PuzzleMetadata)`` saved by :func:`save_split` (or ``python -m hf_fixedpoint.puzzles``)."""
+    import datasets
+
+    path = os.path.join(os.fspath(folder), METADATA_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} not found: {folder} is not a split saved by save_split.")
+    with open(path) as f:
+        metadata = PuzzleMetadata.from_dict(json.load(f))
+    return datasets.load_from_disk(os.fspath(folder)), metadata
 
 
 CSV_COLUMNS = {"source": ("source",), "q": ("q", "question", "puzzle", "quizzes"),
