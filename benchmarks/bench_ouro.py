@@ -3,7 +3,7 @@
     python -m benchmarks.bench_ouro            # 128 new tokens, ~1-2 minutes on an idle core
     python -m benchmarks.bench_ouro --quick    # 32 new tokens
 
-A random Ouro (hidden 512, 4 layers, 4 loops, 8 heads, vocab 4096; float32) greedily generates ``--new_tokens``
+A random Ouro (hidden 256, 4 layers, 4 loops, 4 heads, vocab 4096; float32) greedily generates ``--new_tokens``
 tokens after a left-padded batch of two prompts (32 and 24 tokens). ``use_cache=True`` keeps one ``DynamicCache``
 slot per (loop, layer); ``use_cache=False`` recomputes the whole prefix for every token. Both runs must give the same
 tokens; the target is a cached run at least 5x faster. Runs alternate (uncached, cached, ...) so background load hits
@@ -22,8 +22,8 @@ TARGET = 5.0
 
 def build():
     torch.manual_seed(0)
-    config = OuroConfig(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
-                        num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512, total_ut_steps=4,
+    config = OuroConfig(vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512, total_ut_steps=4,
                         pad_token_id=0, eos_token_id=None)
     model = OuroForCausalLM(config).eval()
     g = torch.Generator().manual_seed(1)
@@ -60,7 +60,7 @@ def main(argv=None):
             times[use_cache].append(seconds)
     same = torch.equal(outputs[True], outputs[False])
     ratio = min(times[False]) / min(times[True])
-    print(f"Ouro generate, batch 2 (one row left-padded), {args.new_tokens} new tokens, hidden 512, 4 layers x "
+    print(f"Ouro generate, batch 2 (one row left-padded), {args.new_tokens} new tokens, hidden 256, 4 layers x "
           "4 loops")
     print(f"  uncached: {min(times[False]):.2f} s   (runs: {', '.join(f'{t:.2f}' for t in times[False])})")
     print(f"  cached:   {min(times[True]):.2f} s   (runs: {', '.join(f'{t:.2f}' for t in times[True])})")
