@@ -39,7 +39,7 @@ TASKS = {
     "mnli_matched": (("premise", "hypothesis"), 3, "validation"),
     "mnli_mismatched": (("premise", "hypothesis"), 3, "validation"),
     "qnli": (("question", "sentence"), 2, "validation"), "rte": (("sentence1", "sentence2"), 2, "validation"),
-    "wnli": (("sentence1", "sentence2"), 2, "validation"), "ax": (("premise", "hypothesis"), 3, "test"),
+    "wnli": (("sentence1", "sentence2"), 2, "validation"),
 }
 
 
@@ -52,8 +52,10 @@ def load_glue(args):
     """The task's train and validation splits from the Hub, local files, or the shipped tiny files."""
     _, _, val_split = TASKS[args.task_name]
     if args.dataset_name:
-        raw = load_dataset(args.dataset_name, args.task_name)
-        return raw["train" if args.task_name != "ax" else "test"], raw[val_split]
+        # mnli_matched / mnli_mismatched are evaluation-only configs: they train on mnli's training split.
+        train_config = "mnli" if args.task_name.startswith("mnli") else args.task_name
+        return (load_dataset(args.dataset_name, train_config, split="train"),
+                load_dataset(args.dataset_name, args.task_name, split=val_split))
     if not (args.train_file or args.validation_file):
         folder = DATA_DIR / f"glue_{args.task_name}_tiny"
         if not folder.is_dir():
@@ -91,7 +93,9 @@ def evaluate_glue(model, loader, accelerator, task_name):
 def main():
     (args,) = HfArgumentParser(GlueArgs).parse_args_into_dataclasses()
     if args.task_name not in TASKS:
-        raise ValueError(f"task_name must be one of {list(TASKS)}, got {args.task_name!r}")
+        hint = (" (AX is a diagnostic set without training data: score an MNLI model's predictions on it with "
+                "hf_fixedpoint.eval.local_metrics.load_metric('glue', 'ax'))") if args.task_name == "ax" else ""
+        raise ValueError(f"task_name must be one of {list(TASKS)}, got {args.task_name!r}{hint}")
     accelerator = fpsa_training.make_accelerator(args)
     accelerator.print(f"args: {json.dumps(asdict(args))}")
     model_path = args.model_name_or_path or fpsa_training.default_bert_path()

@@ -121,9 +121,23 @@ def test_glue_default_starts_from_minilm(tmp_path, monkeypatch):
     assert (config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"]) == (384, 6, 12)
 
 
+@pytest.mark.parametrize("task,train_config,val_split", [
+    ("rte", "rte", "validation"), ("mnli", "mnli", "validation_matched"),
+    ("mnli_mismatched", "mnli", "validation"), ("stsb", "stsb", "validation"),
+])
+def test_glue_hub_configs_and_splits(monkeypatch, task, train_config, val_split):
+    calls = []
+    monkeypatch.setattr(fpsa_glue, "load_dataset", lambda *a, **kw: calls.append((a, kw)))
+    fpsa_glue.load_glue(fpsa_glue.GlueArgs(task_name=task, dataset_name="nyu-mll/glue"))
+    assert calls == [(("nyu-mll/glue", train_config), {"split": "train"}),
+                     (("nyu-mll/glue", task), {"split": val_split})]
+
+
 def test_glue_bad_input(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="task_name must be one of"):
         run(fpsa_glue, ["--task_name", "sst3", "--output_dir", tmp_path], monkeypatch)
+    with pytest.raises(ValueError, match="AX is a diagnostic set"):
+        run(fpsa_glue, ["--task_name", "ax", "--output_dir", tmp_path], monkeypatch)
     with pytest.raises(ValueError, match="no shipped data for task_name='rte'"):
         run(fpsa_glue, ["--task_name", "rte", "--output_dir", tmp_path, "--model_name_or_path", "x"], monkeypatch)
     with pytest.raises(ValueError, match="max_stpes"):
