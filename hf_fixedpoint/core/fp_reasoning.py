@@ -533,7 +533,10 @@ class PuzzleSolverMixin:
 
 
 def _stablemax_s(x):
-    return torch.where(x < 0, 1 / (1 - x), x + 1)
+    # The 1 / (1 - x) branch sees only x < 0: torch.where backpropagates through both branches, and x = 1 would
+    # otherwise put 0 * inf = NaN into the gradient.
+    neg = x < 0
+    return torch.where(neg, 1 / (1 - torch.where(neg, x, 0.0)), x + 1)
 
 
 def stablemax_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX):

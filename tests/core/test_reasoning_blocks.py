@@ -25,6 +25,10 @@ def test_stablemax_cross_entropy_float64():
     labels = torch.tensor([[0]])
     torch.testing.assert_close(stablemax_cross_entropy(logits, labels)[0, 0], -torch.log(s[0] / s.sum()))
     assert stablemax_cross_entropy(logits, torch.tensor([[-100]]))[0, 0] == 0
+    # A logit of exactly 1 once made the unused 1 / (1 - x) branch send NaN into the gradient.
+    x = torch.tensor([[[1.0, 0.5, -2.0]]], requires_grad=True)
+    stablemax_cross_entropy(x, torch.tensor([[1]])).sum().backward()
+    assert torch.isfinite(x.grad).all()
 
 
 def test_softmax_cross_entropy_and_ignore():
