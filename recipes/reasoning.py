@@ -235,8 +235,8 @@ def main(argv=None):
         out = model(b["inputs"], b["puzzle_identifiers"], b["labels"], carry=carry)
         carry = out.carry
         if not torch.isfinite(out.loss):
-            raise FloatingPointError(f"the loss is {out.loss.item()} at step {step}; lower --lr or resume from the last "
-                                     f"state in {os.path.join(args.output_dir, 'state')} with other settings.")
+            raise FloatingPointError(f"the loss is {out.loss.item()} at step {step}; lower --lr or resume from the "
+                                     f"last state in {os.path.join(args.output_dir, 'state')} with other settings.")
         accelerator.backward(out.loss)
         optimizer.step()
         grad = None if puzzle_emb is None or puzzle_emb.local_weights is None else puzzle_emb.local_weights.grad
