@@ -134,18 +134,18 @@ def _latest_checkpoint(output_dir):
     return os.path.join(output_dir, max(folders, key=lambda f: int(f[5:])))
 
 
-def train(args, accelerator, model, train_loader, loss_fn=None):
+def train(args, accelerator, model, train_loader):
     """AdamW + linear schedule training loop with clipping, progress bar, iteration statistics and resume.
 
     Args:
-        model, train_loader: not yet prepared; ``train`` prepares them with the optimizer and scheduler.
-        loss_fn: ``loss_fn(model, batch) -> outputs`` with ``outputs.loss``; default ``model(**batch)``.
+        model, train_loader: not yet prepared; ``train`` prepares them with the optimizer and scheduler. Each batch is
+            a dict of model inputs with labels; the model's ``outputs.loss`` is minimised (it includes the ponder cost
+            of learned halting) and its ``outputs.fp_stats`` are logged.
     Returns:
         ``(unwrapped model, history)``; history is a list of the logged dicts. The training state (model, optimizer,
         scheduler, RNG) is saved with ``accelerator.save_state`` to ``output_dir/step_<n>`` every
         ``checkpointing_steps`` and at the end, and ``resume_from_checkpoint`` continues from such a folder.
     """
-    loss_fn = loss_fn or (lambda m, batch: m(**batch))
     steps_per_epoch = max(1, math.ceil(len(train_loader) / accelerator.num_processes))
     total = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
     no_decay = ("bias", "LayerNorm.weight", "layernorm.weight", "norm.weight")
@@ -179,7 +179,7 @@ def train(args, accelerator, model, train_loader, loss_fn=None):
             accelerator.print(f"resumed from {resume} at step {step}")
             resume = None
         for batch in itertools.chain([first] if first is not None else [], batches):
-            outputs = loss_fn(model, batch)
+            outputs = model(**batch)
             accelerator.backward(outputs.loss)
             if args.max_grad_norm > 0:
                 accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)

@@ -43,6 +43,7 @@ class SquadArgs(fpsa_training.BertTaskArgs):
 
 
 def load_squad(args):
+    """Train and validation questions from the Hub, local json/jsonl files, or the shipped tiny files."""
     if args.dataset_name:
         raw = load_dataset(args.dataset_name)
         return raw["train"], raw["validation"]
