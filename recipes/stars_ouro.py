@@ -428,6 +428,7 @@ def main(argv=None):
     accumulate = args.gradient_accumulation_steps if args.model is not None else 1
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=accumulate)
     accelerator.print(f"args: {json.dumps(asdict(args))}")
+    accelerator.print(f"processes: {accelerator.num_processes} ({accelerator.distributed_type})")
     if args.model is None:
         addition_demo(args, accelerator)
     else:

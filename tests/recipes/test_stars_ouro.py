@@ -90,6 +90,7 @@ def test_finetune_two_process_cpu_ddp(pretrained, tmp_path):
     # the flag combination that really gives 2 CPU processes (gloo DDP); --cpu alone would give one
     proc = _run(_finetune_args(pretrained, out), tmp_path, launcher=launcher, ACCELERATE_USE_CPU="1")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "processes: 2 (DistributedType.MULTI_CPU)" in proc.stdout
     assert "step 1 lm_loss" in proc.stderr and (out / "final" / "config.json").exists()
 
 
