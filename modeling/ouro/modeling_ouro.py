@@ -172,12 +172,6 @@ class OuroModel(OuroPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    def get_input_embeddings(self):
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.embed_tokens = value
-
     def _prepare_cache(self, cache: Cache, loops: int) -> None:
         """Make room for one slot per (loop, layer); refuse a cache filled with another loop count."""
         slots = loops * self.config.num_hidden_layers
@@ -266,18 +260,6 @@ class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
         self.model = OuroModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
-
-    def get_input_embeddings(self):
-        return self.model.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.model.embed_tokens = value
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
-    def set_output_embeddings(self, value):
-        self.lm_head = value
 
     def forward(
         self,
