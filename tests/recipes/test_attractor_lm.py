@@ -42,6 +42,11 @@ def test_train_save_and_resume(tmp_path, corpus):
             "tokenizer.json"} <= set(os.listdir(out))
     assert json.loads((out / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"].startswith(
         "modeling_attractor_lm.")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(out)  # the saved model and tokenizer generate text
+    prompt = AutoTokenizer.from_pretrained(out)("To be, or not", return_tensors="pt")
+    assert model.generate(**prompt, max_new_tokens=3, do_sample=False).shape[1] == prompt["input_ids"].shape[1] + 3
     stdout = run("--output_dir", str(out), "--corpus", corpus, "--max_steps", "4", "--resume_from_checkpoint",
                  "latest", *TINY)
     assert "at step 2" in stdout  # the checkpoint written at step 2
