@@ -58,7 +58,8 @@ def loop_sweep(model, loops, tasks=("fp_arith_word",), *, tokenizer=None, knob: 
                                       log_samples=False)
         for task, metrics in out["results"].items():
             for name, value in metrics.items():
-                if "stderr" in name or not isinstance(value, (int, float)):
+                # metrics are "name,filter"; skip their stderr and bookkeeping entries (alias, sample_len)
+                if "," not in name or "stderr" in name or not isinstance(value, (int, float)):
                     continue
                 scores.setdefault(task, {}).setdefault(name.split(",")[0], {})[k] = float(value)
     return scores

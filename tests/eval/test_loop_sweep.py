@@ -47,7 +47,7 @@ def test_sweep_sets_the_loop_count_of_every_call(tmp_path):
     model.model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw.get("total_ut_steps")), with_kwargs=True)
     scores = loop_sweep(model, [1, 3], ["fp_arith_word"], tokenizer=tok, limit=2, batch_size=2)
     assert set(seen) == {1, 3} and seen[0] == 1 and seen[-1] == 3
-    assert set(scores["fp_arith_word"]["exact_match"]) == {1, 3}
+    assert set(scores["fp_arith_word"]) == {"exact_match"} and set(scores["fp_arith_word"]["exact_match"]) == {1, 3}
     table = format_table(scores)
     assert table.splitlines()[0].split()[-2:] == ["1", "3"] and "fp_arith_word / exact_match" in table
     assert os.path.getsize(plot_sweep(scores, str(tmp_path / "s.png"))) > 0
