@@ -1,6 +1,6 @@
 """RID (Randomized Induction with Distractors, FPSA paper §3.1): FPSA-1L vs TF-1L vs TF-2L as distractors grow.
 
-    python -m benchmarks.bench_rid                    # default budget: about 8-12 minutes on 2 shared CPU cores
+    python -m benchmarks.bench_rid                    # default budget: about 5-10 minutes on 2 shared CPU cores
     python -m benchmarks.bench_rid --quick            # a smoke run (about a minute; the numbers mean nothing)
     python -m benchmarks.bench_rid --steps 6000 --max_distractors 64 --eval_distractors 8 16 32 64   # larger
     python -m benchmarks.bench_rid --models FPSA-1L --fpsa_backward ift --fpsa_max_iter 8   # one model, other knobs
@@ -26,8 +26,9 @@ trained (the paper: ~86% vs ~20-25% at K=100).
 
 Defaults for FPSA-1L: ``fp_max_iter=4`` with ``fp_backward="bptt"``. In this budget (2000 steps) the FPSA iterations
 do not reach ``fp_tol`` (the printed cap-hit rate says so), so the masked implicit gradient (``ift``) only carries
-the last step's term for most entries and FPSA-1L then learns no better than TF-1L; backpropagating through the few
-unrolled iterations lets it learn the two-step circuit. ``--fpsa_backward ift`` runs the implicit variant.
+the last step's term for most entries and FPSA-1L then learns far less (measured: no better than TF-1L at
+``fp_tol=1e-3``, +10 points at ``fp_max_iter=8, fp_tol=1e-2``; docs/fpsa_recipes.md); backpropagating through the
+few unrolled iterations lets it learn the two-step circuit. ``--fpsa_backward ift`` runs the implicit variant.
 """
 
 import argparse
