@@ -38,6 +38,10 @@ class _ImplicitGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z_star, fz_star, f, options, stats, mask):
         ctx.f, ctx.options, ctx.stats, ctx.mask = f, options, stats, mask
+        # The backward re-evaluates f; it must see the autocast state of the forward (bf16 activations with fp32
+        # weights otherwise meet in one matmul and fail).
+        device = z_star.device.type
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         ctx.save_for_backward(z_star)
         return z_star.clone()
 
@@ -45,7 +49,8 @@ class _ImplicitGrad(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad):
         (z_star,) = ctx.saved_tensors
-        with torch.enable_grad():
+        device, enabled, dtype = ctx.autocast
+        with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
             h = z_star.detach().requires_grad_()
             fh = ctx.f(h)
         mask = ctx.mask
@@ -53,7 +58,8 @@ class _ImplicitGrad(torch.autograd.Function):
         clip = ctx.options["clip"]
 
         def adjoint_map(u):
-            (jtu,) = torch.autograd.grad(fh, h, u, retain_graph=True)
+            (jtu,) = torch.autograd.grad(fh, h, u.to(fh.dtype), retain_graph=True)
+            jtu = jtu.to(u.dtype)
             if clip is not None:  # per sample: ||J^T u|| <= clip * ||u|| keeps the adjoint map contractive
                 un = torch.linalg.vector_norm(u.flatten(1), dim=1)
                 jn = torch.linalg.vector_norm(jtu.flatten(1), dim=1)

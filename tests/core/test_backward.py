@@ -135,6 +135,29 @@ def test_gradients_flow_in_eval_mode_and_closures():
     assert lin.weight.grad is not None and x.grad is not None
 
 
+def test_ift_backward_under_bf16_autocast():
+    # The adjoint re-evaluates f in the forward's autocast state: fp32 weights, bf16 activations.
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 16)
+    with torch.no_grad():
+        lin.weight.mul_(0.3)
+    x = torch.randn(4, 16)
+
+    def grads(autocast):
+        lin.zero_grad()
+        dtype = torch.bfloat16 if autocast else torch.float32  # the state and injection are bf16, as in a model
+        z0, inj = torch.zeros(4, 16, dtype=dtype), x.to(dtype)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            z, _ = fixed_point(lambda z: torch.tanh(lin(z) + inj), z0, tol=1e-2, backward="ift")
+        assert z.dtype == dtype
+        z.float().square().sum().backward()
+        return lin.weight.grad.clone()
+
+    g32, g16 = grads(False), grads(True)
+    assert torch.isfinite(g16).all()
+    assert rel_err(g16, g32) < 0.05
+
+
 def test_no_grad_skips_backward_work():
     calls = []
     W = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)

@@ -91,8 +91,7 @@ def test_glue_trains_logs_iterations_resumes_and_exports(tiny_bert, tmp_path, mo
 
 @pytest.mark.parametrize("backward", [
     "phantom",
-    pytest.param("ift", marks=pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-        "the ift backward re-evaluates the FPSA map outside autocast (bf16 activations, fp32 weights)"))),
+    "ift",
 ])
 def test_glue_sentence_pairs_from_csv_with_bf16(tiny_bert, tmp_path, monkeypatch, backward):
     rows = [json.loads(line) for line in (DATA / "glue_mrpc_tiny" / "train.jsonl").read_text().splitlines()]
