@@ -54,7 +54,7 @@ class Args:
     seed: int = field(default=0, metadata={"help": "random seed (data, init, loop draws)"})
     # --- STARS
     reg_weight: float = field(default=0.1, metadata={"help": "lambda: (1 - lambda) * LM loss + lambda * JSRR"})
-    reg_warmup_steps: int = field(default=300, metadata={"help": "optimizer steps before JSRR is added"})
+    reg_warmup_steps: int = field(default=450, metadata={"help": "optimizer steps before JSRR is added"})
     reg_iters: int = field(default=1, metadata={"help": "power iterations (1 = Frobenius-type estimate)"})
     reg_product: str = field(default="vjp", metadata={"help": "vjp (public code), jvp (paper), double_backward"})
     reg_max_batch: Optional[int] = field(default=32, metadata={"help": "sequences the JSRR linearizes at (the "
@@ -63,14 +63,14 @@ class Args:
                                                                  "exponential, uniform, or a preset"})
     sampler_mu: Optional[float] = field(default=None, metadata={"help": "lognormal mu (default: log train_loops, "
                                                                          "or 1.7 when fine-tuning)"})
-    sampler_sigma: Optional[float] = field(default=None, metadata={"help": "lognormal sigma (0.5; 0.4 fine-tuning)"})
+    sampler_sigma: Optional[float] = field(default=None, metadata={"help": "lognormal sigma (0.6; 0.4 fine-tuning)"})
     min_loops: int = field(default=1, metadata={"help": "smallest sampled loop count"})
-    max_loops: Optional[int] = field(default=None, metadata={"help": "largest sampled loop count (default: 2 x "
+    max_loops: Optional[int] = field(default=None, metadata={"help": "largest sampled loop count (default: 4 x "
                                                                       "train_loops, or 16 when fine-tuning)"})
     # --- addition (default mode)
     digits: int = field(default=3, metadata={"help": "digits per operand"})
     train_loops: int = field(default=4, metadata={"help": "loops of the baseline and mean scale of the sampler"})
-    max_steps: int = field(default=1000, metadata={"help": "optimizer steps per run"})
+    max_steps: int = field(default=1500, metadata={"help": "optimizer steps per run"})
     batch_size: int = field(default=128, metadata={"help": "sequences per step and process"})
     lr: float = field(default=3e-3, metadata={"help": "peak AdamW learning rate"})
     hidden_size: int = field(default=64, metadata={"help": "model width"})
@@ -129,12 +129,12 @@ def check_args(args):
 def sampler(args):
     """The STARS loop sampler (same draw on every rank for a step)."""
     finetune = args.model is not None
-    hi = args.max_loops or (16 if finetune else 2 * args.train_loops)
+    hi = args.max_loops or (16 if finetune else 4 * args.train_loops)
     kw = {"min_loops": args.min_loops, "max_loops": hi, "seed": args.seed}
     if args.sampler == "lognormal":
         default_mu = 1.7 if finetune else math.log(args.train_loops)
         kw["mu"] = args.sampler_mu if args.sampler_mu is not None else default_mu
-        kw["sigma"] = args.sampler_sigma if args.sampler_sigma is not None else (0.4 if finetune else 0.5)
+        kw["sigma"] = args.sampler_sigma if args.sampler_sigma is not None else (0.4 if finetune else 0.6)
     elif args.sampler == "fixed":
         kw["loops"] = args.train_loops
     return loop_sampler(args.sampler, **kw)
