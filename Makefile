@@ -1,5 +1,5 @@
 # Two commands on a fresh machine:
-#   make demo   # the smallest end-to-end demo: train DEQ-LM, evaluate it with lm-eval, reload it as remote code
+#   make demo   # the main job: STARS vs a fixed-loop baseline on a looped LM (recipes/stars_ouro.py)
 #   make test   # the test suite (installs everything first)
 PYTHON ?= python3
 VENV ?= .venv
@@ -21,7 +21,7 @@ install: $(BIN)/python
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[all,test]"
 
 demo: install
-	$(BIN)/python -m recipes.train_deq_lm --output_dir runs/deq_lm_demo
+	$(BIN)/python -m recipes.stars_ouro --output_dir runs/stars_ouro
 
 test: install
 	$(BIN)/python -m hf_fixedpoint.vendor --check
