@@ -45,7 +45,8 @@ checkpoint is evaluated at several compute budgets without rewriting it. Keys of
 
 Other differences from ``hf``: ``device`` defaults to ``cuda`` when available and ``cpu`` otherwise (a requested
 ``cuda`` device falls back to ``cpu`` with a warning when CUDA is unavailable, e.g. the CLI's default ``cuda:0``);
-``generate`` always runs with ``use_cache=False`` (a fixed point is recomputed over the whole prefix); the model SHA
+``generate`` uses the KV cache only where the model's config says ``use_cache=True`` (families whose cached
+generation is tested equal to uncached: Ouro, Attractor LM); otherwise the whole prefix is recomputed; the model SHA
 of a local directory is not looked up on the Hub.
 """
 
@@ -201,7 +202,8 @@ class FixedPointLM(HFLM):
             generation_kwargs["do_sample"] = do_sample = False
         if do_sample is False and temp == 0.0:
             generation_kwargs.pop("temperature", None)
-        generation_kwargs.pop("use_cache", None)  # always off: no KV cache for fixed-point models
+        # The model's own setting unless the task asks: families without a KV cache set use_cache=False.
+        use_cache = generation_kwargs.pop("use_cache", getattr(self.model.config, "use_cache", False))
         generation_kwargs.update(self.call_kwargs())
         stopping_criteria = stop_sequences_criteria(self.tokenizer, stop, context.shape[1], context.shape[0])
         with torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
@@ -211,7 +213,7 @@ class FixedPointLM(HFLM):
                 max_length=max_length,
                 stopping_criteria=stopping_criteria,
                 pad_token_id=self.tokenizer.pad_token_id,
-                use_cache=False,
+                use_cache=use_cache,
                 **generation_kwargs,
             )
 
