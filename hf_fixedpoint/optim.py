@@ -5,9 +5,12 @@
   bounded by ``lr * pi / 2``. Weight decay is decoupled and applied before the update. A learning rate of 0 is allowed
   (the research code builds optimizers with ``lr=0`` and sets it every step).
 * ``ema_model`` -- the parameter EMA of TRM/URM/FPRM via ``torch.optim.swa_utils.AveragedModel`` with an EMA
-  ``multi_avg_fn`` (``shadow = decay * shadow + (1 - decay) * p``, every optimizer step). Buffers (the puzzle-embedding
+  ``multi_avg_fn`` (``shadow = d * shadow + (1 - d) * p``, every optimizer step). Buffers (the puzzle-embedding
   table, trained by sign-SGD) are not averaged: ``AveragedModel(use_buffers=False)`` copies them from the model at
-  every update, as the research code's EMA copy does.
+  every update, as the research code's EMA copy does. The decay warms up, ``d = min(decay, (1 + n) / (warmup + n))``
+  after ``n`` updates: the research code's fixed 0.999 over its 50k+ steps forgets the initialization, but over a
+  CPU-sized run of a few hundred steps it leaves the evaluated copy close to the random init (A5, FPRM, 400 steps:
+  cell accuracy 0.118 with the plain EMA against 0.262 for the raw model). ``warmup=0`` is the plain EMA.
 """
 
 import math
@@ -70,12 +73,29 @@ class AdamATan2(torch.optim.Optimizer):
         return loss
 
 
-def ema_model(model: torch.nn.Module, decay: float = 0.999) -> AveragedModel:
+def _warmup_ema_fn(decay: float, warmup: int):
+    """``multi_avg_fn`` of an EMA whose decay after ``n`` updates is ``min(decay, (1 + n) / (warmup + n))``."""
+
+    @torch.no_grad()
+    def update(ema_params, params, num_averaged):
+        n = int(num_averaged)
+        d = min(decay, (1 + n) / (warmup + n))
+        for e, p in zip(ema_params, params):
+            e.lerp_(p.to(e.dtype), 1.0 - d)
+
+    return update
+
+
+def ema_model(model: torch.nn.Module, decay: float = 0.999, warmup: int = 10) -> AveragedModel:
     """An ``AveragedModel`` keeping the EMA of ``model``'s parameters; call ``.update_parameters(model)`` after
-    every optimizer step. ``decay`` in [0, 1)."""
+    every optimizer step. ``decay`` in [0, 1); ``warmup`` >= 0 (0: the plain EMA with a constant ``decay``; else the
+    decay after ``n`` updates is ``min(decay, (1 + n) / (warmup + n))``, so short runs average recent weights)."""
     if not 0.0 <= decay < 1.0:
         raise ValueError(f"decay must lie in [0, 1), got {decay!r}.")
-    return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=False)
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}.")
+    avg_fn = get_ema_multi_avg_fn(decay) if warmup == 0 else _warmup_ema_fn(decay, warmup)
+    return AveragedModel(model, multi_avg_fn=avg_fn, use_buffers=False)
 
 
 __all__ = ["AdamATan2", "ema_model"]

@@ -78,11 +78,16 @@ class Args:
     puzzle_emb_weight_decay: float = field(default=0.1)
     warmup_steps: int = field(default=50, metadata={"help": "linear warmup, then constant"})
     ema_rate: float = field(default=0.999, metadata={"help": "EMA decay of the parameters; 0 disables the EMA"})
+    ema_warmup: int = field(default=10, metadata={"help": "EMA decay after n updates: min(ema_rate, (1 + n) / "
+                                                          "(ema_warmup + n)); 0: the plain EMA"})
     hidden_size: int = field(default=64)
     num_attention_heads: int = field(default=4)
     num_layers: Optional[int] = field(default=None, metadata={"help": "blocks (None: the family's default)"})
     puzzle_emb_len: int = field(default=1, metadata={"help": "puzzle-embedding prefix positions (0: none)"})
     halt_max_steps: int = field(default=8, metadata={"help": "ACT supervision steps per puzzle"})
+    loss_type: Optional[str] = field(default=None, metadata={
+        "help": "stablemax or softmax; None: softmax for a5 (60 answer classes, where stablemax's linear tail learns "
+                "the group table far slower), the research code's stablemax otherwise"})
     model_kwargs: str = field(default="{}", metadata={"help": "JSON: any other config field (e.g. conv, L_cycles)"})
     init_from: Optional[str] = field(default=None, metadata={"help": "start from a saved model (fine-tuning)"})
     resume_from: Optional[str] = field(default=None, metadata={"help": "an output_dir/state folder to resume"})
@@ -111,7 +116,8 @@ def build_model(args, meta):
     kwargs = {**defaults, "vocab_size": meta.vocab_size, "seq_len": meta.seq_len, "hidden_size": args.hidden_size,
               "num_attention_heads": args.num_attention_heads, "num_puzzle_identifiers": meta.num_puzzle_identifiers,
               "puzzle_emb_len": args.puzzle_emb_len, "halt_max_steps": args.halt_max_steps,
-              "grid_shape": list(meta.grid_shape) if meta.grid_shape else None, "puzzle_metadata": meta.to_dict()}
+              "grid_shape": list(meta.grid_shape) if meta.grid_shape else None, "puzzle_metadata": meta.to_dict(),
+              "loss_type": args.loss_type or ("softmax" if meta.task == "a5" else "stablemax")}
     if args.num_layers is not None:
         kwargs["num_layers"] = args.num_layers
     kwargs.update(parse_json(args.model_kwargs, "model_kwargs"))
@@ -194,7 +200,7 @@ def main(argv=None):
     optimizer = AdamATan2(model.parameters(), lr=args.lr, betas=(args.beta1, args.beta2),
                           weight_decay=args.weight_decay)
     scheduler = get_constant_schedule_with_warmup(optimizer, args.warmup_steps)
-    ema = ema_model(model, args.ema_rate).to(accelerator.device) if args.ema_rate > 0 else None
+    ema = ema_model(model, args.ema_rate, args.ema_warmup).to(accelerator.device) if args.ema_rate > 0 else None
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     if ema is not None:
         accelerator.register_for_checkpointing(ema)

@@ -48,7 +48,7 @@ def test_adam_atan2_bad_arguments():
 def test_ema_averages_parameters_and_copies_buffers():
     model = torch.nn.Linear(2, 1)
     model.register_buffer("table", torch.zeros(3))
-    ema = ema_model(model, decay=0.9)
+    ema = ema_model(model, decay=0.9, warmup=0)
     w0 = model.weight.detach().clone()
     ema.update_parameters(model)  # the first update copies the parameters
     with torch.no_grad():
@@ -59,3 +59,29 @@ def test_ema_averages_parameters_and_copies_buffers():
     torch.testing.assert_close(ema.module.table, torch.full((3,), 7.0))  # buffers follow the model, not averaged
     with pytest.raises(ValueError, match="decay"):
         ema_model(model, decay=1.0)
+    with pytest.raises(ValueError, match="warmup"):
+        ema_model(model, warmup=-1)
+
+
+def test_ema_warmup_follows_a_short_run():
+    # A weight moving from 0 to 1 over 300 steps: the plain 0.999 EMA still sits near the initialization (the bug that
+    # made every short recipe run evaluate a near-random model); the warmed-up decay tracks the recent weights.
+    steps = 300
+    plain, warm = torch.nn.Linear(1, 1, bias=False), torch.nn.Linear(1, 1, bias=False)
+    ema_plain, ema_warm = ema_model(plain, 0.999, warmup=0), ema_model(warm, 0.999)
+    for t in range(steps + 1):
+        for model, ema in ((plain, ema_plain), (warm, ema_warm)):
+            with torch.no_grad():
+                model.weight.fill_(t / steps)
+            ema.update_parameters(model)
+    assert ema_plain.module.weight.item() < 0.2
+    assert ema_warm.module.weight.item() > 0.85
+    # decay after n updates is min(0.999, (1 + n) / (10 + n)): the n = 1 update (weight 1/300) keeps 2/11 of the copy
+    m = torch.nn.Linear(1, 1, bias=False)
+    ema = ema_model(m, 0.999)
+    with torch.no_grad():
+        m.weight.fill_(0.0)
+        ema.update_parameters(m)
+        m.weight.fill_(1.0)
+        ema.update_parameters(m)
+    torch.testing.assert_close(ema.module.weight, torch.full((1, 1), 1 - 2 / 11))

@@ -49,6 +49,7 @@ def test_every_model_trains_evaluates_and_exports(model, tmp_path, capsys):
     assert getattr(loaded.config, "deq", False) == (model == "attractor")
     assert (out / "iterations_vs_difficulty_1.png").stat().st_size > 0
     assert loaded.config.puzzle_metadata["task"] == "a5"
+    assert loaded.config.loss_type == "softmax"  # the recipe's A5 default (60 classes: stablemax learns too slowly)
 
 
 def test_resume_continues_from_the_saved_step(tmp_path, capsys):
