@@ -240,7 +240,10 @@ def solver_kwargs_check(solver: str, kwargs: Optional[dict], argument: str = "so
     if not kwargs:
         return kwargs
     check_keywords(kwargs, keyword_options(cls), argument, f"solver {solver!r}")
-    cls(**kwargs)  # range checks
+    try:
+        cls(**kwargs)  # range checks
+    except ValueError as err:
+        raise ValueError(f"{argument} for solver {solver!r}: {err}") from None
     return kwargs
 
 

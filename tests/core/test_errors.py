@@ -86,6 +86,8 @@ def test_config_settings_reject_typos_and_bad_values():
         pop_fp_kwargs({"fp_min_iter": 9, "fp_max_iter": 3})
     with pytest.raises(ValueError, match=r"fp_solver_kwargs has unknown keys"):
         pop_fp_kwargs({"fp_solver_kwargs": {"mm": 3}})
+    with pytest.raises(ValueError, match=r"fp_solver_kwargs for solver 'anderson': m=0 is out of range"):
+        pop_fp_kwargs({"fp_solver": "anderson", "fp_solver_kwargs": {"m": 0}})
     with pytest.raises(ValueError, match=r"fp_backward='jfb' is not a known backward mode"):
         pop_fp_kwargs({"fp_backward": "jfb"})
     with pytest.raises(ValueError, match=r"fp_eval_max_iter=0 is out of range"):

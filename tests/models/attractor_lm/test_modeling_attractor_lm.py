@@ -203,7 +203,7 @@ class TestAttractorLM(FixedPointModelTesterMixin):
     @pytest.mark.parametrize("kwargs,match", [
         ({"injection": "multiply"}, "injection='multiply' is not allowed. Allowed values: 'add', 'initial_only'"),
         ({"fp_backward": "adjoint"}, "fp_backward='adjoint' is not a known backward mode"),
-        ({"fp_solver_kwargs": {"m": 0}}, "m=0 is out of range"),
+        ({"fp_solver_kwargs": {"m": 0}}, "fp_solver_kwargs for solver .anderson.: m=0 is out of range"),
         ({"fp_min_iter": 5, "fp_max_iter": 3}, "fp_min_iter=5 must not exceed fp_max_iter=3"),
         ({"layer_scale_init": 0.8}, r"layer_scale_init=0.8 is out of range; allowed values lie in \(0.0, 0.75\)"),
         ({"layer_scale_max": 1.5}, "layer_scale_max=1.5 is out of range"),
