@@ -184,12 +184,6 @@ class AttractorModel(AttractorPreTrainedModel):
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.post_init()
 
-    def get_input_embeddings(self):
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.embed_tokens = value
-
     def attractor_map(self, y, y0, cos, sin, mask, *past, cache=None):
         """``T_a(y, y0)``. ``past``: per attractor layer, cached keys then values of earlier tokens (read only);
         ``cache``: a ``Cache`` to write this call's keys/values into (used once, at the fixed point)."""
@@ -282,18 +276,6 @@ class AttractorForCausalLM(AttractorPreTrainedModel, GenerationMixin):
         self.model = AttractorModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
-
-    def get_input_embeddings(self):
-        return self.model.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.model.embed_tokens = value
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
-    def set_output_embeddings(self, value):
-        self.lm_head = value
 
     def forward(
         self,
