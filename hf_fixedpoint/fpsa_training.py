@@ -19,7 +19,6 @@ from accelerate.utils import DataLoaderConfiguration, set_seed
 from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
-from hf_fixedpoint.core.fp_fpsa import FPSAStats
 from hf_fixedpoint.hub import export
 
 # FPSA knobs a recipe forwards to ``from_pretrained`` / the config when set on the command line.
@@ -104,22 +103,6 @@ def make_accelerator(args) -> Accelerator:
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
     set_seed(args.seed)
     return accelerator
-
-
-def merge_fpsa_stats(stats_list):
-    """One ``FPSAStats`` over several forward passes (e.g. every evaluation batch), padding tokens dropped.
-
-    Batches differ in length, so each layer's real-token entries are flattened before they are joined; the merged
-    object's ``summary()`` gives the median / p90 / p99 iterations and cap-hit rate over the whole set.
-    """
-    stats_list = [s for s in stats_list if s is not None and s.iterations_per_layer]
-    merged = FPSAStats(max_iter=max((s.max_iter for s in stats_list), default=1))
-    for s in stats_list:
-        mask = s.token_mask.bool() if s.token_mask is not None else None
-        for it, conv in zip(s.iterations_per_layer, s.converged_per_layer):
-            merged.iterations_per_layer.append(it[mask].flatten() if mask is not None else it.flatten())
-            merged.converged_per_layer.append(conv[mask].flatten() if mask is not None else conv.flatten())
-    return merged
 
 
 def iteration_summary(stats) -> dict:

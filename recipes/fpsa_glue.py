@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, DataCollatorWithPadding, HfArgumentParser
 
 from hf_fixedpoint import fpsa_training
+from hf_fixedpoint.core.fp_fpsa import FPSAStats
 from hf_fixedpoint.eval.local_metrics import load_metric
 from hf_fixedpoint.modeling.fpsa_bert import FPSABertForSequenceClassification
 
@@ -87,7 +88,7 @@ def evaluate_glue(model, loader, accelerator, task_name):
         stats.append(outputs.fp_stats)
     model.train()
     metrics = load_metric("glue", task_name).compute(predictions=predictions, references=references)
-    return {**metrics, **fpsa_training.iteration_summary(fpsa_training.merge_fpsa_stats(stats))}
+    return {**metrics, **fpsa_training.iteration_summary(FPSAStats.merge(stats))}
 
 
 def main():

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, DataCollatorWithPadding, HfArgumentParser
 
 from hf_fixedpoint import fpsa_training
+from hf_fixedpoint.core.fp_fpsa import FPSAStats
 from hf_fixedpoint.eval.local_metrics import load_metric
 from hf_fixedpoint.modeling.fpsa_bert import FPSABertForQuestionAnswering
 
@@ -128,7 +129,7 @@ def evaluate_squad(model, tokenizer, features, examples, accelerator, args):
                             "no_answer_probability": no_answer})
     references = [{"id": row["id"], "answers": row["answers"]} for row in examples]
     metrics = load_metric("squad_v2").compute(predictions=predictions, references=references)
-    return {**metrics, **fpsa_training.iteration_summary(fpsa_training.merge_fpsa_stats(stats))}
+    return {**metrics, **fpsa_training.iteration_summary(FPSAStats.merge(stats))}
 
 
 def main():

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 from transformers import HfArgumentParser
 
 from hf_fixedpoint import fpsa_training
+from hf_fixedpoint.core.fp_fpsa import FPSAStats
 from hf_fixedpoint.modeling.fpsa_vit import FPSAViTConfig, FPSAViTForImageClassification
 
 
@@ -97,7 +98,7 @@ def evaluate_vit(model, loader, accelerator):
         total += ref.numel()
         stats.append(outputs.fp_stats)
     model.train()
-    return {"accuracy": correct / total, **fpsa_training.iteration_summary(fpsa_training.merge_fpsa_stats(stats))}
+    return {"accuracy": correct / total, **fpsa_training.iteration_summary(FPSAStats.merge(stats))}
 
 
 def main():

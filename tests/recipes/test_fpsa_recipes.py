@@ -28,7 +28,7 @@ from transformers import (  # noqa: E402
 )
 
 from hf_fixedpoint.core.fp_fpsa import FPSAStats  # noqa: E402
-from hf_fixedpoint.fpsa_training import default_bert_path, merge_fpsa_stats  # noqa: E402
+from hf_fixedpoint.fpsa_training import default_bert_path  # noqa: E402
 from recipes import fpsa_glue, fpsa_squad, fpsa_vit  # noqa: E402
 
 DATA = fpsa_glue.DATA_DIR
@@ -188,6 +188,6 @@ def test_merge_fpsa_stats_drops_padding_across_batches():
     s2 = FPSAStats(iterations_per_layer=[torch.tensor([[[4], [3], [99]]])],
                    converged_per_layer=[torch.tensor([[[False], [True], [True]]])], max_iter=4,
                    token_mask=torch.tensor([[1, 1, 0]]))
-    summary = merge_fpsa_stats([s1, s2, None]).summary()
+    summary = FPSAStats.merge([s1, s2, None]).summary()
     assert summary["fpsa_iter_mean"] == 2.5 and summary["fpsa_iter_max"] == 4.0
     assert summary["fpsa_cap_hit_rate"] == 0.25  # one of the four real entries ran to the cap unconverged
