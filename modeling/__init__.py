@@ -30,6 +30,8 @@ from .fpsa_bert import (
 )
 from .fpsa_vit import FPSAViTConfig, FPSAViTForImageClassification, FPSAViTModel
 from .ouro import OuroConfig, OuroForCausalLM, OuroModel
+from .self_llama import SelfLlamaConfig, SelfLlamaForCausalLM, SelfLlamaModel
+from .self_mistral import SelfMistralConfig, SelfMistralForCausalLM, SelfMistralModel
 from .trm import TRMConfig, TRMForPuzzles, TRMModel
 from .urm import URMConfig, URMForPuzzles, URMModel
 
@@ -48,6 +50,9 @@ FAMILIES = [
                       (AutoModelForQuestionAnswering, FPSABertForQuestionAnswering)]),
     (FPSAViTConfig, [(AutoModel, FPSAViTModel),
                      (AutoModelForImageClassification, FPSAViTForImageClassification)]),
+    # Pretrained decoders retrofitted with causal FPSA.
+    (SelfLlamaConfig, [(AutoModel, SelfLlamaModel), (AutoModelForCausalLM, SelfLlamaForCausalLM)]),
+    (SelfMistralConfig, [(AutoModel, SelfMistralModel), (AutoModelForCausalLM, SelfMistralForCausalLM)]),
 ]
 
 
@@ -85,6 +90,12 @@ __all__ = [
     "OuroConfig",
     "OuroForCausalLM",
     "OuroModel",
+    "SelfLlamaConfig",
+    "SelfLlamaForCausalLM",
+    "SelfLlamaModel",
+    "SelfMistralConfig",
+    "SelfMistralForCausalLM",
+    "SelfMistralModel",
     "TRMConfig",
     "TRMForPuzzles",
     "TRMModel",

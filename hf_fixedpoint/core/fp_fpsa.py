@@ -85,13 +85,14 @@ def check_fpsa_settings(s: dict) -> None:
     check_number(s["fpsa_halt_threshold"], "fpsa_halt_threshold", low=0.0, high=1.0, low_open=True, high_open=True)
 
 
-def pop_fpsa_kwargs(kwargs: dict) -> dict:
-    """Remove every ``fpsa_*`` key from ``kwargs``; return the complete, validated settings (unknown keys fail)."""
+def pop_fpsa_kwargs(kwargs: dict, defaults: Optional[dict] = None) -> dict:
+    """Remove every ``fpsa_*`` key from ``kwargs``; return the complete, validated settings (unknown keys fail).
+    ``defaults`` lets a family change a default (e.g. no learned temperature for the decoder retrofits)."""
     given = {k: kwargs.pop(k) for k in [k for k in kwargs if k.startswith("fpsa_")]}
-    unknown = set(given) - set(FPSA_DEFAULTS)
+    unknown = (set(given) | set(defaults or {})) - set(FPSA_DEFAULTS)
     if unknown:
         raise ValueError(f"Unknown FPSA setting(s) {sorted(unknown)}. Valid keys: {sorted(FPSA_DEFAULTS)}.")
-    settings = {**FPSA_DEFAULTS, **given}
+    settings = {**FPSA_DEFAULTS, **(defaults or {}), **given}
     check_fpsa_settings(settings)
     return settings
 
@@ -110,6 +111,16 @@ def check_heads(config) -> None:
     if config.hidden_size % config.num_attention_heads:
         raise ValueError(f"hidden_size={config.hidden_size} must be divisible by "
                          f"num_attention_heads={config.num_attention_heads}.")
+
+
+def check_decoder_fpsa(config) -> None:
+    """The FPSA options a causal decoder retrofit supports; errors name the setting and the allowed values."""
+    if config.fpsa_halting != "tolerance":
+        raise ValueError(f"{type(config).__name__}: fpsa_halting={config.fpsa_halting!r} is not supported by the "
+                         "decoder retrofits; allowed: 'tolerance' (learned halting is an encoder feature).")
+    if config.fpsa_spectral_norm != "none":
+        raise ValueError(f"{type(config).__name__}: fpsa_spectral_norm={config.fpsa_spectral_norm!r} is not "
+                         "supported by the decoder retrofits (it would change the pretrained W_Q/W_K); allowed: 'none'.")
 
 
 @dataclass
@@ -241,6 +252,7 @@ class FPSAResult:
     max_iter: int
     stats: Optional[FixedPointStats] = None
     ponder_cost: Optional[torch.Tensor] = None  # (B, T, H), learned halting
+    state: Optional[torch.Tensor] = None  # (B, T, D) final iterate Z (x after the exact first step alone), if asked
 
 
 class FPSAHaltingGate(nn.Module):
@@ -298,6 +310,7 @@ def fpsa_attention(
     halt_threshold: float = 0.99,
     margin_fn: Optional[Callable] = None,
     attention_kwargs: Optional[dict] = None,
+    return_state: bool = False,
 ) -> FPSAResult:
     """Run one FPSA layer.
 
@@ -328,6 +341,8 @@ def fpsa_attention(
         margin_fn: learned halting: ``margin_fn(z) -> (B, T, C)`` task-head logits of the current iterate ``z``;
             the feature is their top-2 margin.
         attention_kwargs: further keyword arguments for ``attention_fn``.
+        return_state: also return the final iterate ``Z`` (``x`` when only the exact first step ran), e.g. for the
+            keys a KV cache stores.
     """
     check_choice(update, "fpsa_update", UPDATE_FORMS)
     check_choice(step_norm, "fpsa_step_norm", STEP_NORMS)
@@ -385,8 +400,11 @@ def fpsa_attention(
     if return_weights and max_iter > 1:
         with torch.no_grad():
             _, weights = attend(state(o, residual), value, attention_mask, extra)
+    final_state = None
+    if return_state:
+        final_state = x if max_iter == 1 else state(o, residual)
     return FPSAResult(output=o.flatten(2), attn_weights=weights, iterations=iterations, converged=converged,
-                      max_iter=max_iter, stats=solve_stats)
+                      max_iter=max_iter, stats=solve_stats, state=final_state)
 
 
 def _learned_halting(step, state, o1, w1, args, max_iter, gate, threshold, margin_fn):
@@ -416,6 +434,87 @@ def _learned_halting(step, state, o1, w1, args, max_iter, gate, threshold, margi
     converged = act.halted & (act.n_updates < max_iter)
     return FPSAResult(output=act.output.flatten(2), attn_weights=weights, iterations=act.n_updates.long(),
                       converged=converged, max_iter=max_iter, ponder_cost=act.ponder_cost)
+
+
+def fpsa_decoder_attention(
+    module: nn.Module,
+    hidden_states: torch.Tensor,
+    *,
+    position_embeddings,
+    rope: Callable,
+    attention_fn: Callable,
+    fp_kwargs: dict,
+    attention_mask: Optional[torch.Tensor] = None,
+    cache=None,
+    residual: Optional[torch.Tensor] = None,
+    norm: Optional[Callable] = None,
+    log_temperature: Optional[torch.Tensor] = None,
+    update: str = "residual_norm",
+    step_norm: str = "none",
+    adjoint_mask: bool = True,
+    return_weights: bool = False,
+    attention_kwargs: Optional[dict] = None,
+):
+    """Causal FPSA in one layer of a pretrained decoder (SELF-LLaMA / SELF-Mistral), with an optional KV cache.
+
+    ``module`` is the decoder's own attention module (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``head_dim``,
+    ``scaling``, ``layer_idx``, ``attention_dropout``); ``rope(t, cos, sin)`` applies the rotary embedding to
+    ``(B, H, T, d)`` heads. Queries and keys of the new tokens are recomputed from the iterate with RoPE, values are
+    static (``V = X W_V``), the causal / padding / sliding-window mask is used in every iteration, and GQA goes
+    through ``module.num_key_value_groups`` inside ``attention_fn``.
+
+    KV cache (``cache``: a transformers ``DynamicCache``; only ``update(k, v, layer_idx)`` and
+    ``layers[layer_idx].keys`` are used): earlier tokens' keys are their converged keys and are not iterated again;
+    the new tokens iterate against them, and once they have converged the keys of their final iterate (``K(x)`` when
+    ``fp_max_iter=1``, so that one step is exactly the base model) replace placeholders written before the solve.
+    Because earlier tokens never attend to later ones, this is the same fixed point that a full recomputation finds:
+    cached and uncached forwards agree to within the solver tolerance (exactly for ``fp_max_iter=1``).
+
+    Returns ``(output, result)``: the attention block's output after ``o_proj`` ``(B, T, D)`` and the ``FPSAResult``.
+    """
+    B, T, _ = hidden_states.shape
+    head_dim = module.head_dim
+
+    def heads(t):  # (b, t, H * d) -> (b, H, t, d)
+        return t.view(*t.shape[:-1], -1, head_dim).transpose(1, 2)
+
+    cos, sin = position_embeddings
+    cos, sin = cos.expand(B, *cos.shape[1:]), sin.expand(B, *sin.shape[1:])  # batch-first for the compact solver
+    value = heads(module.v_proj(hidden_states))
+    past_key = None
+    if cache is not None:
+        # Write the new values and placeholder keys now; the cache returns what the mask was built for (earlier
+        # tokens, possibly cut to a sliding window, then the new ones).
+        keys, values = cache.update(torch.zeros_like(value).detach(), value.detach(), module.layer_idx)
+        n_past = keys.shape[-2] - T
+        if n_past > 0:
+            past_key = keys[:, :, :n_past]
+            if torch.is_grad_enabled():  # the placeholders are overwritten in place below
+                past_key = past_key.clone()
+            value = torch.cat([values[:, :, :n_past], value], dim=2)
+
+    def query(z, c, s, *past):
+        return rope(heads(module.q_proj(z)), c, s)
+
+    def key(z, c, s, *past):
+        k = rope(heads(module.k_proj(z)), c, s)
+        return torch.cat([past[0], k], dim=2) if past else k
+
+    result = fpsa_attention(
+        module, hidden_states, query=query, key=key, value=value, out_proj=module.o_proj,
+        attention_fn=attention_fn, scaling=module.scaling, fp_kwargs=fp_kwargs, attention_mask=attention_mask,
+        residual=residual, norm=norm, extra=(cos, sin) + ((past_key,) if past_key is not None else ()),
+        log_temperature=log_temperature, update=update, step_norm=step_norm,
+        dropout=module.attention_dropout if module.training else 0.0, adjoint_mask=adjoint_mask,
+        return_weights=return_weights, attention_kwargs=attention_kwargs, return_state=cache is not None,
+    )
+    if cache is not None:
+        with torch.no_grad():
+            final_key = rope(heads(module.k_proj(result.state)), cos, sin)
+            stored = cache.layers[module.layer_idx].keys
+            n = min(T, stored.shape[-2])
+            stored[:, :, stored.shape[-2] - n:] = final_key[:, :, T - n:].to(stored.dtype)
+    return module.o_proj(result.output), result
 
 
 def ponder_loss(stats: FPSAStats, budget: float, weight: float) -> torch.Tensor:
@@ -510,9 +609,11 @@ __all__ = [
     "FPSAResult",
     "FPSAStats",
     "apply_spectral_norm",
+    "check_decoder_fpsa",
     "check_fpsa_settings",
     "check_heads",
     "fpsa_attention",
+    "fpsa_decoder_attention",
     "init_fpsa_weights",
     "ponder_loss",
     "pop_fpsa_kwargs",

@@ -125,4 +125,34 @@ def fixed_point_kwargs(config, training: bool, overrides: dict = None) -> dict:
     }
 
 
-__all__ = ["FP_DEFAULTS", "check_fp_settings", "fixed_point_kwargs", "fp_settings", "pop_fp_kwargs"]
+def call_overrides(fp_overrides: dict = None, fp_max_iter: int = None, fp_tol: float = None) -> dict:
+    """Per-call overrides from a forward's named knobs (``generate(..., fp_max_iter=8, fp_tol=1e-4)``) and its
+    ``fp_overrides`` dict. A per-call ``fp_max_iter`` caps the solve in train and eval mode alike (it also replaces
+    ``fp_eval_max_iter``, unless ``fp_overrides`` sets that)."""
+    overrides = dict(fp_overrides or {})
+    if fp_max_iter is not None:
+        overrides["fp_max_iter"] = fp_max_iter
+        overrides.setdefault("fp_eval_max_iter", None)
+    if fp_tol is not None:
+        overrides["fp_tol"] = fp_tol
+    return overrides
+
+
+def reject_unknown_knobs(kwargs: dict, allowed, where: str) -> None:
+    """A ``fp*`` keyword a forward does not know (a typo such as ``fp_max_iters``) is an error, not silently passed
+    on to the attention functions."""
+    unknown = sorted(k for k in kwargs if k.startswith("fp") and k not in allowed)
+    if unknown:
+        raise ValueError(f"{where} got unknown fixed-point keyword(s) {unknown}. Per-call knobs: {sorted(allowed)}; "
+                         f"any other setting goes in fp_overrides={{...}} (keys: {sorted(FP_DEFAULTS)}).")
+
+
+__all__ = [
+    "FP_DEFAULTS",
+    "call_overrides",
+    "check_fp_settings",
+    "fixed_point_kwargs",
+    "fp_settings",
+    "pop_fp_kwargs",
+    "reject_unknown_knobs",
+]

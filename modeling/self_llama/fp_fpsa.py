@@ -1,0 +1,623 @@
+# Source of truth: hf_fixedpoint/core/fp_fpsa.py. Verbatim copies live in modeling/*/ so that checkpoints
+# saved with save_pretrained() load with torch + transformers only. Edit here, then run
+# `python -m hf_fixedpoint.vendor`. Allowed imports: stdlib, torch, and `from .fp_<x> import ...`.
+"""Fixed-Point Self-Attention (FPSA; Mathur et al., "Change of Thought: Adaptive Test-Time Computation", 2025).
+
+One attention layer becomes an inner fixed-point loop. With ``X`` the layer's attention input and ``V = X W_V`` fixed,
+each head's output ``O_h = softmax(Q_h(Z) K_h(Z)^T / (sqrt(d_h) tau_h)) V_h`` is recomputed from an iterate
+``Z = state(O)`` until it stops changing. ``fpsa_attention`` iterates the per-head outputs ``O`` (``(B, T, H, d)``) so
+that every (token, head) pair is its own convergence entry: it halts on its own relative change (``fp_tol``) and is
+frozen afterwards while the others go on (``fixed_point`` with ``batch_dims=3``). The first step is the model's own
+attention ``O_1 = Attn(Q(X), K(X), V)``, computed exactly as the base model does, so ``fp_max_iter=1`` reproduces the
+base model bit for bit.
+
+Update forms (``state``), both with the same weight names as the base model:
+
+* ``residual_norm`` (default): ``Z = norm(R + W_O O)``, with ``R`` the residual stream entering the attention block
+  and ``norm`` the block's own norm (BERT: the attention output LayerNorm, so ``Z`` is the attention block's output;
+  pre-norm ViT/LLaMA: the layer's input norm). This is the re-injection form of the paper (Eq. 5) and of the official
+  code's FPSA-R. It is the default because without re-injection the map ``Z -> W_O A(Z) V`` averages value rows with a
+  row-stochastic ``A``: as the queries lose their token identity every token is drawn to the same convex combination,
+  a rank-1 fixed point where ``W_Q``/``W_K`` receive vanishing gradients (the official code's explanation). Keeping
+  ``R`` in the iterate keeps each token's identity, and for a pretrained post-norm model ``Z`` stays in the
+  distribution the next query projection was trained on.
+* ``plain``: ``Z = W_O O`` (the official HEAD code's map without damping).
+
+``fpsa_step_norm="tanh"`` bounds each step: ``O <- O + tanh(F(O) - O)``; it has the same fixed points and limits the
+size of early steps (useful with large temperatures or untrained retrofits). Damping is the solver's own option
+(``fp_solver="picard", fp_solver_kwargs={"damping": 0.5}``).
+
+Position embeddings (RoPE), grouped-query attention, causal masks and KV handling are the caller's: ``query`` and
+``key`` are callables of the iterate (apply RoPE inside them), ``value`` is precomputed, and the mask and the attention
+function (any transformers ``ALL_ATTENTION_FUNCTIONS`` entry; GQA through ``module.num_key_value_groups``) are passed
+through.
+
+Learned halting (FPSA-LH, ``halting="learned"``): a per-head gate maps (relative latent change, attention entropy, task
+head logit margin) to a halting probability, accumulated ACT-style per token and head (``fp_halting.ACTAccumulator``);
+the output is the halting-weighted mean of the iterates and ``ponder_loss`` pushes the mean ponder cost down to a
+compute budget. Its gradient is backprop through the (short) loop.
+"""
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+import torch
+from torch import nn
+
+from .fp_backward import fixed_point
+from .fp_halting import ACTAccumulator
+from .fp_registry import check_choice, check_number
+from .fp_stats import FixedPointStats
+
+UPDATE_FORMS = ("residual_norm", "plain")
+STEP_NORMS = ("none", "tanh")
+HALTING_MODES = ("tolerance", "learned")
+SPECTRAL_NORMS = ("none", "qk", "qko")
+HALT_FEATURES = 3  # relative latent change, attention entropy, task-head logit margin
+
+FPSA_DEFAULTS = {
+    "fpsa_update": "residual_norm",  # residual_norm | plain (see module docstring)
+    "fpsa_step_norm": "none",  # none | tanh
+    "fpsa_learn_temperature": True,  # learned per-head temperature tau_h = exp(log_tau_h), initialised to 1
+    "fpsa_spectral_norm": "none",  # none | qk | qko: spectral normalisation of W_Q, W_K (and W_O)
+    "fpsa_adjoint_mask": True,  # ift backward: implicit term only for converged (token, head) entries (paper App. D)
+    "fpsa_halting": "tolerance",  # tolerance (fp_tol) | learned (FPSA-LH gate + ACT)
+    "fpsa_ponder_budget": 4.0,  # learned halting: target mean iterations per (token, head)
+    "fpsa_ponder_weight": 0.01,  # learned halting: weight of relu(mean ponder cost - budget) in the loss
+    "fpsa_halt_threshold": 0.99,  # learned halting: ACT threshold 1 - eps
+}
+
+# FPSA's own defaults for the shared fp_* knobs: plain iteration with the official code's tolerance and cap.
+FPSA_FP_DEFAULTS = {"fp_solver": "picard", "fp_tol": 1e-3, "fp_max_iter": 16}
+
+
+def check_fpsa_settings(s: dict) -> None:
+    """Validate a complete dict of ``fpsa_*`` settings; errors name the key and the allowed values."""
+    check_choice(s["fpsa_update"], "fpsa_update", UPDATE_FORMS)
+    check_choice(s["fpsa_step_norm"], "fpsa_step_norm", STEP_NORMS)
+    check_choice(s["fpsa_halting"], "fpsa_halting", HALTING_MODES)
+    check_choice(s["fpsa_spectral_norm"], "fpsa_spectral_norm", SPECTRAL_NORMS)
+    for key in ("fpsa_learn_temperature", "fpsa_adjoint_mask"):
+        check_choice(s[key], key, (True, False))
+    check_number(s["fpsa_ponder_budget"], "fpsa_ponder_budget", low=1.0)
+    check_number(s["fpsa_ponder_weight"], "fpsa_ponder_weight", low=0.0)
+    check_number(s["fpsa_halt_threshold"], "fpsa_halt_threshold", low=0.0, high=1.0, low_open=True, high_open=True)
+
+
+def pop_fpsa_kwargs(kwargs: dict, defaults: Optional[dict] = None) -> dict:
+    """Remove every ``fpsa_*`` key from ``kwargs``; return the complete, validated settings (unknown keys fail).
+    ``defaults`` lets a family change a default (e.g. no learned temperature for the decoder retrofits)."""
+    given = {k: kwargs.pop(k) for k in [k for k in kwargs if k.startswith("fpsa_")]}
+    unknown = (set(given) | set(defaults or {})) - set(FPSA_DEFAULTS)
+    if unknown:
+        raise ValueError(f"Unknown FPSA setting(s) {sorted(unknown)}. Valid keys: {sorted(FPSA_DEFAULTS)}.")
+    settings = {**FPSA_DEFAULTS, **(defaults or {}), **given}
+    check_fpsa_settings(settings)
+    return settings
+
+
+def retrofit_config_dict(config_class, config_dict: dict, compatible) -> dict:
+    """A checkpoint's config dict for an FPSA config class: its ``model_type`` must be in ``compatible`` (the base
+    family or FPSA's own), and it is dropped so the FPSA class's own ``model_type`` applies."""
+    model_type = config_dict.get("model_type")
+    if model_type is not None and model_type not in compatible:
+        raise ValueError(f"{config_class.__name__} cannot load this checkpoint: its model_type={model_type!r} is not "
+                         f"one of {tuple(compatible)}.")
+    return {k: v for k, v in config_dict.items() if k != "model_type"}
+
+
+def check_heads(config) -> None:
+    if config.hidden_size % config.num_attention_heads:
+        raise ValueError(f"hidden_size={config.hidden_size} must be divisible by "
+                         f"num_attention_heads={config.num_attention_heads}.")
+
+
+def check_decoder_fpsa(config) -> None:
+    """The FPSA options a causal decoder retrofit supports; errors name the setting and the allowed values."""
+    if config.fpsa_halting != "tolerance":
+        raise ValueError(f"{type(config).__name__}: fpsa_halting={config.fpsa_halting!r} is not supported by the "
+                         "decoder retrofits; allowed: 'tolerance' (learned halting is an encoder feature).")
+    if config.fpsa_spectral_norm != "none":
+        raise ValueError(f"{type(config).__name__}: fpsa_spectral_norm={config.fpsa_spectral_norm!r} is not "
+                         "supported by the decoder retrofits (it would change the pretrained W_Q/W_K); allowed: 'none'.")
+
+
+@dataclass
+class FPSAStats:
+    """Iteration statistics of every FPSA layer of one forward pass.
+
+    Attributes:
+        iterations_per_layer: per layer, ``(B, T, H)`` attention evaluations per token and head (the exact first step
+            included); ``iterations`` stacks them to ``(L, B, T, H)``.
+        converged_per_layer: per layer, ``(B, T, H)``: met ``fp_tol`` (tolerance halting) or halted before the cap
+            (learned halting); ``converged`` stacks them.
+        max_iter: the cap used.
+        solves: per layer, the ``FixedPointStats`` of the solve (None for ``fp_max_iter=1`` and learned halting).
+        token_mask: ``(B, T)`` bool, the real (non-padding) tokens the summaries count; None counts every token.
+        ponder_cost_per_layer: per layer ``(B, T, H)`` ACT ponder cost ``N + R`` (learned halting only).
+    """
+
+    iterations_per_layer: List[torch.Tensor] = field(default_factory=list)
+    converged_per_layer: List[torch.Tensor] = field(default_factory=list)
+    max_iter: int = 1
+    solves: List[Optional[FixedPointStats]] = field(default_factory=list)
+    token_mask: Optional[torch.Tensor] = None
+    ponder_cost_per_layer: List[torch.Tensor] = field(default_factory=list)
+
+    _slots: dict = field(default_factory=dict, repr=False)
+
+    def add(self, result: "FPSAResult", layer: Optional[nn.Module] = None) -> None:
+        """Record one layer's result. A layer that runs again in the same pass (activation checkpointing recomputes
+        it during backward) replaces its entry instead of adding one."""
+        i = self._slots.get(id(layer)) if layer is not None else None
+        if i is None:
+            if layer is not None:
+                self._slots[id(layer)] = len(self.iterations_per_layer)
+            self.iterations_per_layer.append(result.iterations)
+            self.converged_per_layer.append(result.converged)
+            self.solves.append(result.stats)
+            if result.ponder_cost is not None:
+                self.ponder_cost_per_layer.append(result.ponder_cost)
+        else:
+            self.iterations_per_layer[i], self.converged_per_layer[i] = result.iterations, result.converged
+            self.solves[i] = result.stats
+        self.max_iter = max(self.max_iter, result.max_iter)
+
+    @classmethod
+    def merge(cls, stats_list) -> "FPSAStats":
+        """One ``FPSAStats`` over several forward passes (e.g. every evaluation batch) for whole-set summaries:
+        each layer's real-token entries are flattened (batches differ in length), so use ``summary()`` / ``quantile``
+        on the result, not ``iterations``."""
+        stats_list = [s for s in stats_list if s is not None and s.iterations_per_layer]
+        merged = cls(max_iter=max((s.max_iter for s in stats_list), default=1))
+        for s in stats_list:
+            m = s.token_mask.bool() if s.token_mask is not None else None
+            for it, conv in zip(s.iterations_per_layer, s.converged_per_layer):
+                merged.iterations_per_layer.append(it[m].flatten() if m is not None else it.flatten())
+                merged.converged_per_layer.append(conv[m].flatten() if m is not None else conv.flatten())
+        return merged
+
+    @property
+    def iterations(self) -> torch.Tensor:
+        return torch.stack(self.iterations_per_layer)
+
+    @property
+    def converged(self) -> torch.Tensor:
+        return torch.stack(self.converged_per_layer)
+
+    @property
+    def nfe(self) -> int:
+        """Attention evaluations of the slowest layer (what the loop cost in wall-clock terms)."""
+        return max((int(it.max()) for it in self.iterations_per_layer), default=0)
+
+    @property
+    def solver(self) -> Optional[str]:
+        return next((s.solver for s in self.solves if s is not None), None)
+
+    def _valid(self, per_layer: List[torch.Tensor]) -> torch.Tensor:
+        """The entries of real tokens over every layer, flattened."""
+        if self.token_mask is None:
+            return torch.cat([t.flatten() for t in per_layer])
+        m = self.token_mask.bool()
+        return torch.cat([t[m].flatten() for t in per_layer])
+
+    @property
+    def all_converged(self) -> bool:
+        return bool(self._valid(self.converged_per_layer).all())
+
+    def quantile(self, q: float) -> float:
+        """The ``q`` quantile (0..1) of iterations per (layer, token, head), padding excluded."""
+        check_number(q, "q", low=0.0, high=1.0)
+        return float(torch.quantile(self._valid(self.iterations_per_layer).double(), q))
+
+    @property
+    def median(self) -> float:
+        return self.quantile(0.5)
+
+    @property
+    def cap_hit_rate(self) -> float:
+        """Fraction of (layer, token, head) entries that ran to ``max_iter`` without converging."""
+        its, conv = self._valid(self.iterations_per_layer), self._valid(self.converged_per_layer)
+        return float(((its >= self.max_iter) & ~conv).double().mean())
+
+    def mean_ponder_cost(self) -> torch.Tensor:
+        """Mean ACT ponder cost over every layer's real (token, head) entries (differentiable; learned halting)."""
+        if not self.ponder_cost_per_layer:
+            raise ValueError("mean_ponder_cost needs the stats of a forward pass with fpsa_halting='learned'.")
+        return self._valid(self.ponder_cost_per_layer).mean()
+
+    def summary(self) -> dict:
+        """Plain floats for logging: mean / median / p90 / p99 iterations, cap-hit rate and converged fraction."""
+        its = self._valid(self.iterations_per_layer).double()
+        return {
+            "fpsa_iter_mean": float(its.mean()),
+            "fpsa_iter_median": self.quantile(0.5),
+            "fpsa_iter_p90": self.quantile(0.9),
+            "fpsa_iter_p99": self.quantile(0.99),
+            "fpsa_iter_max": float(its.max()),
+            "fpsa_cap_hit_rate": self.cap_hit_rate,
+            "fpsa_converged_fraction": float(self._valid(self.converged_per_layer).double().mean()),
+        }
+
+
+@dataclass
+class FPSAResult:
+    """What ``fpsa_attention`` returns for one layer."""
+
+    output: torch.Tensor  # (B, T, H * d): the heads' outputs at the fixed point, before W_O
+    attn_weights: Optional[torch.Tensor]  # (B, H, T, T) at the fixed point, when asked for
+    iterations: torch.Tensor  # (B, T, H)
+    converged: torch.Tensor  # (B, T, H)
+    max_iter: int
+    stats: Optional[FixedPointStats] = None
+    ponder_cost: Optional[torch.Tensor] = None  # (B, T, H), learned halting
+    state: Optional[torch.Tensor] = None  # (B, T, D) final iterate Z (x after the exact first step alone), if asked
+
+
+class FPSAHaltingGate(nn.Module):
+    """FPSA-LH gate: per head, ``p = sigmoid(w_h . features + b_h)`` over ``HALT_FEATURES`` features.
+
+    ``reset_parameters(budget)`` starts every head at a constant ``p = 1 / budget`` so that ACT halts after about
+    ``budget`` steps before any training.
+    """
+
+    def __init__(self, num_heads: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_heads, HALT_FEATURES))
+        self.bias = nn.Parameter(torch.zeros(num_heads))
+
+    @torch.no_grad()
+    def reset_parameters(self, budget: float) -> None:
+        p = min(max(1.0 / budget, 1e-3), 1 - 1e-3)
+        self.weight.zero_()
+        self.bias.fill_(math.log(p / (1 - p)))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """``features`` ``(B, T, H, F)`` -> halting probabilities ``(B, T, H)``."""
+        return torch.sigmoid((features * self.weight.to(features.dtype)).sum(-1) + self.bias.to(features.dtype))
+
+
+def _attention_entropy(weights: torch.Tensor) -> torch.Tensor:
+    """``(B, H, T, S)`` attention probabilities -> ``(B, T, H)`` entropy, normalised by ``log S``."""
+    ent = -torch.special.xlogy(weights, weights).sum(-1)
+    return (ent / math.log(max(weights.shape[-1], 2))).transpose(1, 2)
+
+
+def fpsa_attention(
+    module: nn.Module,
+    x: torch.Tensor,
+    *,
+    query: Callable,
+    key: Callable,
+    value: torch.Tensor,
+    out_proj: Callable,
+    attention_fn: Callable,
+    scaling: float,
+    fp_kwargs: dict,
+    attention_mask: Optional[torch.Tensor] = None,
+    residual: Optional[torch.Tensor] = None,
+    norm: Optional[Callable] = None,
+    extra: tuple = (),
+    log_temperature: Optional[torch.Tensor] = None,
+    update: str = "residual_norm",
+    step_norm: str = "none",
+    dropout: float = 0.0,
+    adjoint_mask: bool = True,
+    return_weights: bool = False,
+    halting: str = "tolerance",
+    halting_gate: Optional[FPSAHaltingGate] = None,
+    halt_threshold: float = 0.99,
+    margin_fn: Optional[Callable] = None,
+    attention_kwargs: Optional[dict] = None,
+    return_state: bool = False,
+) -> FPSAResult:
+    """Run one FPSA layer.
+
+    Args:
+        module: the attention module handed to ``attention_fn`` (its ``training``, ``is_causal`` and, for GQA,
+            ``num_key_value_groups`` are read there).
+        x: ``(B, T, D)`` attention input, the initial iterate ``Z_0``.
+        query: ``query(z, *extra) -> (B, H, T, d)``; apply position embeddings (RoPE) inside.
+        key: ``key(z, *extra) -> (B, H_kv, T, d)``.
+        value: ``(B, H_kv, T, d)``, computed once from ``x``.
+        out_proj: ``W_O``: ``(B, T, H * d) -> (B, T, D)``.
+        attention_fn: a transformers attention function (``ALL_ATTENTION_FUNCTIONS`` entry or a model's eager one):
+            ``attention_fn(module, q, k, v, mask, dropout=, scaling=, **kw) -> ((B, T, H, d), weights)``.
+        scaling: the softmax scale ``1 / sqrt(d)``; a learned temperature divides it per head.
+        fp_kwargs: ``fixed_point`` keyword arguments (``fp_settings.fixed_point_kwargs``); ``max_iter`` counts the
+            exact first step.
+        attention_mask: passed to ``attention_fn`` unchanged (None, bool or additive float, causal or not).
+        residual: ``R`` of the ``residual_norm`` form (default ``x``); ``norm``: its norm (default identity).
+        extra: batch-first tensors for ``query``/``key`` (e.g. RoPE ``cos, sin``), sliced with the batch when the
+            solver drops finished samples.
+        log_temperature: ``(H,)`` log of the per-head temperature (None: 1).
+        update, step_norm: see the module docstring.
+        dropout: attention dropout of the exact first step; the inner iterations are deterministic so that the map
+            has a fixed point.
+        adjoint_mask: ``ift`` backward: keep the implicit term only for converged entries.
+        return_weights: also return the attention weights at the fixed point (one extra evaluation, no gradient).
+        halting: ``tolerance`` or ``learned`` (then ``halting_gate`` is required).
+        margin_fn: learned halting: ``margin_fn(z) -> (B, T, C)`` task-head logits of the current iterate ``z``;
+            the feature is their top-2 margin.
+        attention_kwargs: further keyword arguments for ``attention_fn``.
+        return_state: also return the final iterate ``Z`` (``x`` when only the exact first step ran), e.g. for the
+            keys a KV cache stores.
+    """
+    check_choice(update, "fpsa_update", UPDATE_FORMS)
+    check_choice(step_norm, "fpsa_step_norm", STEP_NORMS)
+    check_choice(halting, "fpsa_halting", HALTING_MODES)
+    attention_kwargs = dict(attention_kwargs or {})
+    B, T, _ = x.shape
+    residual = x if residual is None else residual
+
+    def state(o, res):
+        z = out_proj(o.flatten(2))
+        if update == "residual_norm":
+            z = res + z
+            z = norm(z) if norm is not None else z
+        return z
+
+    inv_tau = None if log_temperature is None else torch.exp(-log_temperature).to(x.dtype)[None, :, None, None]
+
+    def attend(z, v, mask, ex, p=0.0):
+        q = query(z, *ex)
+        if inv_tau is not None:
+            q = q * inv_tau
+        return attention_fn(module, q, key(z, *ex), v, mask, dropout=p, scaling=scaling, **attention_kwargs)
+
+    o1, w1 = attend(x, value, attention_mask, extra, dropout)  # the base model's attention, exactly
+    max_iter = fp_kwargs["max_iter"]
+
+    def step(o, res, v, mask, *ex):
+        """One FPSA step and its attention weights."""
+        new, weights = attend(state(o, res), v, mask, ex)
+        return (o + torch.tanh(new - o) if step_norm == "tanh" else new), weights
+
+    def f(o, *args):
+        return step(o, *args)[0]
+
+    if halting == "learned":
+        if halting_gate is None:
+            raise ValueError("fpsa_halting='learned' needs a halting_gate.")
+        return _learned_halting(step, state, o1, w1, (residual, value, attention_mask, *extra), max_iter,
+                                halting_gate, halt_threshold, margin_fn)
+
+    ones = torch.ones(B, T, o1.shape[2], dtype=torch.long, device=x.device)
+    if max_iter == 1:
+        o, solve_stats, iterations, converged = o1, None, ones, torch.zeros_like(ones, dtype=torch.bool)
+    else:
+        kw = dict(fp_kwargs)
+        kw["max_iter"] = max_iter - 1
+        kw["min_iter"] = max(kw.get("min_iter", 0) - 1, 0)
+        if adjoint_mask and kw.get("backward") == "ift":
+            kw["backward_kwargs"] = {**(kw.get("backward_kwargs") or {}), "mask": "converged"}
+        o, solve_stats = fixed_point(f, o1, args=(residual, value, attention_mask, *extra), batch_dims=3,
+                                     compact=True, **kw)
+        iterations = ones + solve_stats.nstep
+        converged = solve_stats.converged
+    weights = w1 if max_iter == 1 else None
+    if return_weights and max_iter > 1:
+        with torch.no_grad():
+            _, weights = attend(state(o, residual), value, attention_mask, extra)
+    final_state = None
+    if return_state:
+        final_state = x if max_iter == 1 else state(o, residual)
+    return FPSAResult(output=o.flatten(2), attn_weights=weights, iterations=iterations, converged=converged,
+                      max_iter=max_iter, stats=solve_stats, state=final_state)
+
+
+def _learned_halting(step, state, o1, w1, args, max_iter, gate, threshold, margin_fn):
+    """FPSA-LH: ACT over the iterates; halted (token, head) entries are frozen."""
+    residual = args[0]
+    B, T, H, _ = o1.shape
+    act = ACTAccumulator((B, T, H), max_steps=max_iter, threshold=threshold, device=o1.device, dtype=o1.dtype)
+    o, weights, change = o1, w1, torch.ones(B, T, H, dtype=o1.dtype, device=o1.device)
+    for k in range(max_iter):
+        if k > 0:
+            new, weights = step(o, *args)
+            change = (new - o).norm(dim=-1) / (new.norm(dim=-1) + 1e-9)
+            o = torch.where(act.halted[..., None], o, new)
+        feats = [change.detach()]
+        feats.append(_attention_entropy(weights.detach()) if weights is not None else torch.zeros_like(change))
+        if margin_fn is not None:
+            with torch.no_grad():
+                logits = margin_fn(state(o, residual))
+            top2 = logits.topk(min(2, logits.shape[-1]), dim=-1).values
+            margin = top2[..., 0] - top2[..., -1]  # zero for a single logit
+            feats.append(margin[..., None].expand(B, T, H).to(o.dtype))
+        else:
+            feats.append(torch.zeros_like(change))
+        act.update(gate(torch.stack(feats, -1)), o)
+        if act.all_halted:
+            break
+    converged = act.halted & (act.n_updates < max_iter)
+    return FPSAResult(output=act.output.flatten(2), attn_weights=weights, iterations=act.n_updates.long(),
+                      converged=converged, max_iter=max_iter, ponder_cost=act.ponder_cost)
+
+
+def fpsa_decoder_attention(
+    module: nn.Module,
+    hidden_states: torch.Tensor,
+    *,
+    position_embeddings,
+    rope: Callable,
+    attention_fn: Callable,
+    fp_kwargs: dict,
+    attention_mask: Optional[torch.Tensor] = None,
+    cache=None,
+    residual: Optional[torch.Tensor] = None,
+    norm: Optional[Callable] = None,
+    log_temperature: Optional[torch.Tensor] = None,
+    update: str = "residual_norm",
+    step_norm: str = "none",
+    adjoint_mask: bool = True,
+    return_weights: bool = False,
+    attention_kwargs: Optional[dict] = None,
+):
+    """Causal FPSA in one layer of a pretrained decoder (SELF-LLaMA / SELF-Mistral), with an optional KV cache.
+
+    ``module`` is the decoder's own attention module (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``head_dim``,
+    ``scaling``, ``layer_idx``, ``attention_dropout``); ``rope(t, cos, sin)`` applies the rotary embedding to
+    ``(B, H, T, d)`` heads. Queries and keys of the new tokens are recomputed from the iterate with RoPE, values are
+    static (``V = X W_V``), the causal / padding / sliding-window mask is used in every iteration, and GQA goes
+    through ``module.num_key_value_groups`` inside ``attention_fn``.
+
+    KV cache (``cache``: a transformers ``DynamicCache``; only ``update(k, v, layer_idx)`` and
+    ``layers[layer_idx].keys`` are used): earlier tokens' keys are their converged keys and are not iterated again;
+    the new tokens iterate against them, and once they have converged the keys of their final iterate (``K(x)`` when
+    ``fp_max_iter=1``, so that one step is exactly the base model) replace placeholders written before the solve.
+    Because earlier tokens never attend to later ones, this is the same fixed point that a full recomputation finds:
+    cached and uncached forwards agree to within the solver tolerance (exactly for ``fp_max_iter=1``).
+
+    Returns ``(output, result)``: the attention block's output after ``o_proj`` ``(B, T, D)`` and the ``FPSAResult``.
+    """
+    B, T, _ = hidden_states.shape
+    head_dim = module.head_dim
+
+    def heads(t):  # (b, t, H * d) -> (b, H, t, d)
+        return t.view(*t.shape[:-1], -1, head_dim).transpose(1, 2)
+
+    cos, sin = position_embeddings
+    cos, sin = cos.expand(B, *cos.shape[1:]), sin.expand(B, *sin.shape[1:])  # batch-first for the compact solver
+    value = heads(module.v_proj(hidden_states))
+    past_key = None
+    if cache is not None:
+        # Write the new values and placeholder keys now; the cache returns what the mask was built for (earlier
+        # tokens, possibly cut to a sliding window, then the new ones).
+        keys, values = cache.update(torch.zeros_like(value).detach(), value.detach(), module.layer_idx)
+        n_past = keys.shape[-2] - T
+        if n_past > 0:
+            past_key = keys[:, :, :n_past]
+            if torch.is_grad_enabled():  # the placeholders are overwritten in place below
+                past_key = past_key.clone()
+            value = torch.cat([values[:, :, :n_past], value], dim=2)
+
+    def query(z, c, s, *past):
+        return rope(heads(module.q_proj(z)), c, s)
+
+    def key(z, c, s, *past):
+        k = rope(heads(module.k_proj(z)), c, s)
+        return torch.cat([past[0], k], dim=2) if past else k
+
+    result = fpsa_attention(
+        module, hidden_states, query=query, key=key, value=value, out_proj=module.o_proj,
+        attention_fn=attention_fn, scaling=module.scaling, fp_kwargs=fp_kwargs, attention_mask=attention_mask,
+        residual=residual, norm=norm, extra=(cos, sin) + ((past_key,) if past_key is not None else ()),
+        log_temperature=log_temperature, update=update, step_norm=step_norm,
+        dropout=module.attention_dropout if module.training else 0.0, adjoint_mask=adjoint_mask,
+        return_weights=return_weights, attention_kwargs=attention_kwargs, return_state=cache is not None,
+    )
+    if cache is not None:
+        with torch.no_grad():
+            final_key = rope(heads(module.k_proj(result.state)), cos, sin)
+            stored = cache.layers[module.layer_idx].keys
+            n = min(T, stored.shape[-2])
+            stored[:, :, stored.shape[-2] - n:] = final_key[:, :, T - n:].to(stored.dtype)
+    return module.o_proj(result.output), result
+
+
+def ponder_loss(stats: FPSAStats, budget: float, weight: float) -> torch.Tensor:
+    """``weight * relu(mean ponder cost - budget)`` (FPSA-LH): no cost while the model stays within its budget."""
+    return weight * torch.relu(stats.mean_ponder_cost() - budget)
+
+
+def apply_spectral_norm(linears) -> None:
+    """Spectral-normalise the weights of ``linears`` in place (torch parametrization; ``remove_spectral_norm`` folds
+    them back into plain weights for export)."""
+    for lin in linears:
+        torch.nn.utils.parametrizations.spectral_norm(lin)
+
+
+@torch.no_grad()
+def warm_up_spectral_norm(module: nn.Module, n_iter: int = 15) -> None:
+    """Restart the power iteration of every spectral-norm parametrization under ``module`` from a fixed start vector.
+
+    Its ``_u``/``_v`` are buffers that a plain checkpoint lacks (``from_pretrained`` leaves them uninitialised);
+    ``eval()`` mode uses them as they are, so they must match the loaded weight before the first forward pass.
+    """
+    for mod in module.modules():
+        if not torch.nn.utils.parametrize.is_parametrized(mod, "weight"):
+            continue
+        for p in mod.parametrizations.weight:
+            if hasattr(p, "_power_method"):
+                w = p._reshape_weight_to_matrix(mod.parametrizations.weight.original)
+                p._v.copy_(nn.functional.normalize(torch.ones_like(p._v), dim=0, eps=p.eps))  # deterministic start
+                p._u.copy_(nn.functional.normalize(w @ p._v, dim=0, eps=p.eps))
+                p._power_method(w, n_iter)
+
+
+def init_fpsa_weights(model: nn.Module, module: nn.Module) -> None:
+    """The FPSA part of a model's ``_init_weights``: temperature 1, halting gate at the ponder budget, and a fresh
+    power iteration for spectral-norm vectors a checkpoint lacked (``from_pretrained`` calls it after loading)."""
+    if isinstance(getattr(module, "fpsa_log_tau", None), nn.Parameter):
+        module.fpsa_log_tau.zero_()  # tau = 1: the base model's softmax scale
+    elif isinstance(module, FPSAHaltingGate):
+        module.reset_parameters(model.config.fpsa_ponder_budget)
+    elif type(module).__name__ == "_SpectralNorm":
+        owner = next(m for m in model.modules()
+                     if any(p is module for p in getattr(getattr(m, "parametrizations", {}), "weight", ())))
+        warm_up_spectral_norm(owner)
+
+
+class FPSAHeadMixin:
+    """Put before a transformers head class (``BertForX``, ``ViTForX``) whose base model is an FPSA model: runs the
+    head's own ``forward`` with an ``FPSAStats`` threaded through the base model, returns ``output_class`` (the head's
+    output plus ``fp_stats``) and, with learned halting, adds the ponder loss to the task loss."""
+
+    output_class = None
+
+    def fpsa_margin_fn(self) -> Optional[Callable]:
+        """Learned halting: the task head applied to an iterate, for the logit-margin feature (None: no margin)."""
+        return None
+
+    def forward(self, *args, fp_overrides: Optional[dict] = None, **kwargs):
+        stats = FPSAStats()
+        learned = self.config.fpsa_halting == "learned"
+        if learned and self.fpsa_margin_fn() is not None:
+            kwargs["fpsa_margin_fn"] = self.fpsa_margin_fn()
+        kwargs["return_dict"] = True
+        out = self.output_class(**super().forward(*args, fp_overrides=fp_overrides, fpsa_stats=stats, **kwargs),
+                                fp_stats=stats)
+        if out.loss is not None and learned:
+            out.loss = out.loss + ponder_loss(stats, self.config.fpsa_ponder_budget, self.config.fpsa_ponder_weight)
+        return out
+
+
+def remove_spectral_norm(model: nn.Module) -> None:
+    """Fold every spectral-norm parametrization of ``model`` into a plain weight (the value used in ``eval()``) and
+    record it in ``model.config.fpsa_spectral_norm`` so the saved checkpoint is a plain one."""
+    was_training = model.training
+    model.eval()
+    for mod in list(model.modules()):
+        if torch.nn.utils.parametrize.is_parametrized(mod, "weight"):
+            torch.nn.utils.parametrize.remove_parametrizations(mod, "weight", leave_parametrized=True)
+    model.train(was_training)
+    if hasattr(getattr(model, "config", None), "fpsa_spectral_norm"):
+        model.config.fpsa_spectral_norm = "none"
+
+
+__all__ = [
+    "FPSA_DEFAULTS",
+    "FPSA_FP_DEFAULTS",
+    "HALTING_MODES",
+    "SPECTRAL_NORMS",
+    "STEP_NORMS",
+    "UPDATE_FORMS",
+    "FPSAHaltingGate",
+    "FPSAHeadMixin",
+    "FPSAResult",
+    "FPSAStats",
+    "apply_spectral_norm",
+    "check_decoder_fpsa",
+    "check_fpsa_settings",
+    "check_heads",
+    "fpsa_attention",
+    "fpsa_decoder_attention",
+    "init_fpsa_weights",
+    "ponder_loss",
+    "pop_fpsa_kwargs",
+    "remove_spectral_norm",
+    "retrofit_config_dict",
+    "warm_up_spectral_norm",
+]

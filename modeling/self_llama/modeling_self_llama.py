@@ -1,0 +1,204 @@
+"""SELF-LLaMA: transformers' LLaMA with every attention layer replaced by causal Fixed-Point Self-Attention
+(Mathur et al., "Change of Thought", §4.2 and App. J).
+
+Each decoder layer iterates its attention to a fixed point (``fp_fpsa.fpsa_decoder_attention``): queries and keys
+come from the iterate ``Z = input_layernorm(R + W_O O)`` with RoPE, values stay ``V = X W_V``, the causal (and padding)
+mask applies in every iteration and grouped-query attention is kept. ``q_proj``/``k_proj``/``v_proj``/``o_proj`` and
+every other module keep LLaMA's names, so ``SelfLlamaForCausalLM.from_pretrained(<any LLaMA checkpoint>)`` loads the
+weights unchanged, and with ``fp_max_iter=1`` the model computes exactly what the LLaMA checkpoint computes.
+
+Generation: with the KV cache, earlier tokens keep their converged keys and static values and only the new tokens
+iterate. Per-call knobs are named ``forward`` parameters, so they work through ``generate``:
+``model.generate(ids, fp_max_iter=8, fp_tol=1e-4)``; ``fp_overrides={...}`` takes any other ``fp_*`` setting, and
+``fp_stats_log=[]`` collects the ``FPSAStats`` of every forward call (the prompt, then one entry per generated token).
+Outputs carry ``fp_stats`` (iterations per layer, token and head; ``.summary()`` gives median / p90 / cap-hit rate).
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+from transformers import LlamaForCausalLM, LlamaModel, LlamaPreTrainedModel
+from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    eager_attention_forward,
+    rotate_half,
+)
+from transformers.utils.generic import can_return_tuple
+
+from .configuration_self_llama import SelfLlamaConfig
+from .fp_fpsa import FPSAStats, fpsa_decoder_attention, init_fpsa_weights
+from .fp_settings import call_overrides, fixed_point_kwargs, reject_unknown_knobs
+
+# Keywords a SELF forward passes down to its layers; any other fp* keyword is a typo.
+_MODEL_KNOBS = ("fp_overrides", "fpsa_stats")
+_LM_KNOBS = ("fp_max_iter", "fp_tol", "fp_overrides", "fp_stats_log")
+
+
+def apply_rope(t, cos, sin):
+    """RoPE on ``(B, H, T, d)`` heads: the same arithmetic as LLaMA's ``apply_rotary_pos_emb``."""
+    return (t * cos.unsqueeze(1)) + (rotate_half(t) * sin.unsqueeze(1))
+
+
+def check_cache(cache) -> None:
+    if cache is None:
+        return
+    if not isinstance(cache, DynamicCache) or not all(isinstance(layer, DynamicLayer) for layer in cache.layers):
+        raise ValueError(f"SELF models keep converged keys in a DynamicCache; got {type(cache).__name__}. Use the "
+                         "default cache (generate(..., cache_implementation=None)) or past_key_values=DynamicCache().")
+
+
+class SelfLlamaAttention(LlamaAttention):
+    """``LlamaAttention`` run as a causal FPSA loop; needs the layer's residual stream and input norm."""
+
+    def __init__(self, config: SelfLlamaConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        heads = config.num_attention_heads
+        self.fpsa_log_tau = nn.Parameter(torch.zeros(heads)) if config.fpsa_learn_temperature else None
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, *,
+                fpsa_residual=None, fpsa_norm=None, fpsa_fp_kwargs: Optional[dict] = None,
+                fpsa_stats: Optional[FPSAStats] = None, **kwargs):
+        config = self.config
+        if fpsa_fp_kwargs is None:
+            fpsa_fp_kwargs = fixed_point_kwargs(config, self.training)
+        attention_fn = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)
+        kwargs.pop("position_ids", None)
+        kwargs.pop("use_cache", None)
+        output, result = fpsa_decoder_attention(
+            self, hidden_states, position_embeddings=position_embeddings, rope=apply_rope, attention_fn=attention_fn,
+            fp_kwargs=fpsa_fp_kwargs, attention_mask=attention_mask, cache=past_key_values, residual=fpsa_residual,
+            norm=fpsa_norm, log_temperature=self.fpsa_log_tau, update=config.fpsa_update,
+            step_norm=config.fpsa_step_norm, adjoint_mask=config.fpsa_adjoint_mask,
+            return_weights=bool(kwargs.get("output_attentions")), attention_kwargs=kwargs,
+        )
+        if fpsa_stats is not None:
+            fpsa_stats.add(result, layer=self)
+        return output, result.attn_weights
+
+
+class SelfLlamaDecoderLayer(LlamaDecoderLayer):
+    """``LlamaDecoderLayer`` whose attention iterates ``Z = input_layernorm(R + W_O O)`` (same submodule names)."""
+
+    def __init__(self, config: SelfLlamaConfig, layer_idx: int):
+        GradientCheckpointingLayer.__init__(self)
+        self.hidden_size = config.hidden_size
+        self.self_attn = SelfLlamaAttention(config=config, layer_idx=layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
+                position_embeddings=None, **kwargs):
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states, _ = self.self_attn(
+            hidden_states=hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=past_key_values, use_cache=use_cache, position_embeddings=position_embeddings,
+            fpsa_residual=residual, fpsa_norm=self.input_layernorm, **kwargs,
+        )
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.mlp(hidden_states)
+        return residual + hidden_states
+
+
+class SelfLlamaPreTrainedModel(LlamaPreTrainedModel):
+    config_class = SelfLlamaConfig
+    _no_split_modules = ["SelfLlamaDecoderLayer"]
+    # The FPSA loop calls the attention function many times with changing batch rows and has data-dependent stops:
+    # only eager and sdpa are tested.
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _can_compile_fullgraph = False
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        init_fpsa_weights(self, module)
+
+
+@dataclass
+class SelfLlamaModelOutputWithPast(BaseModelOutputWithPast):
+    """LLaMA's output plus ``fp_stats`` (``FPSAStats``)."""
+
+    fp_stats: Optional[FPSAStats] = None
+
+
+@dataclass
+class SelfLlamaCausalLMOutputWithPast(CausalLMOutputWithPast):
+    """LLaMA's LM output plus ``fp_stats`` (``FPSAStats``)."""
+
+    fp_stats: Optional[FPSAStats] = None
+
+
+class SelfLlamaModel(SelfLlamaPreTrainedModel, LlamaModel):
+    """``LlamaModel`` with causal FPSA attention; ``forward`` takes ``fp_overrides`` and returns ``fp_stats``."""
+
+    def __init__(self, config: SelfLlamaConfig):
+        LlamaPreTrainedModel.__init__(self, config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList([SelfLlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, use_cache=None, fp_overrides: Optional[dict] = None,
+                fpsa_stats: Optional[FPSAStats] = None, **kwargs):
+        reject_unknown_knobs(kwargs, _MODEL_KNOBS, type(self).__name__)
+        check_cache(past_key_values)
+        stats = FPSAStats() if fpsa_stats is None else fpsa_stats
+        if attention_mask is not None and attention_mask.dim() == 2:
+            length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+            stats.token_mask = attention_mask[:, -length:].bool()
+        kwargs["return_dict"] = True
+        out = super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                              fpsa_fp_kwargs=fixed_point_kwargs(self.config, self.training, fp_overrides),
+                              fpsa_stats=stats, **kwargs)
+        return SelfLlamaModelOutputWithPast(**out, fp_stats=stats)
+
+
+class SelfLlamaForCausalLM(SelfLlamaPreTrainedModel, LlamaForCausalLM):
+    """``LlamaForCausalLM`` on ``SelfLlamaModel``. Per-call knobs: ``fp_max_iter``, ``fp_tol``, ``fp_overrides``;
+    ``fp_stats_log`` (a list) receives the ``FPSAStats`` of each call, e.g. of every ``generate`` step."""
+
+    def __init__(self, config: SelfLlamaConfig):
+        LlamaPreTrainedModel.__init__(self, config)
+        self.model = SelfLlamaModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, fp_max_iter: Optional[int] = None,
+                fp_tol: Optional[float] = None, fp_overrides: Optional[dict] = None,
+                fp_stats_log: Optional[list] = None, **kwargs):
+        reject_unknown_knobs(kwargs, _LM_KNOBS, type(self).__name__)
+        stats = FPSAStats()
+        out = super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
+                              use_cache=use_cache, logits_to_keep=logits_to_keep, return_dict=True,
+                              fp_overrides=call_overrides(fp_overrides, fp_max_iter, fp_tol), fpsa_stats=stats,
+                              **kwargs)
+        if fp_stats_log is not None:
+            fp_stats_log.append(stats)
+        return SelfLlamaCausalLMOutputWithPast(**out, fp_stats=stats)
+
+
+__all__ = ["SelfLlamaForCausalLM", "SelfLlamaModel", "SelfLlamaPreTrainedModel"]

@@ -1,0 +1,52 @@
+"""Configuration of SELF-Mistral: a Mistral decoder whose every attention layer is causal Fixed-Point Self-Attention.
+
+Every ``MistralConfig`` field keeps its meaning, so any Mistral ``config.json`` + checkpoint loads with unchanged weight
+names; the ``fp_*`` knobs (solver, ``fp_tol``, ``fp_max_iter``, backward mode...) and the ``fpsa_*`` knobs (update
+form, step norm, temperature) are added on top.
+"""
+
+from transformers import MistralConfig
+
+from .fp_fpsa import FPSA_FP_DEFAULTS, check_decoder_fpsa, check_heads, pop_fpsa_kwargs, retrofit_config_dict
+from .fp_settings import pop_fp_kwargs
+
+# Checkpoints whose config this class accepts: plain Mistral (a retrofit) and SELF-Mistral itself.
+COMPATIBLE_MODEL_TYPES = ("mistral", "self_mistral")
+# Decoder retrofits keep exactly the base model's parameters unless asked otherwise.
+SELF_FPSA_DEFAULTS = {"fpsa_learn_temperature": False}
+
+
+class SelfMistralConfig(MistralConfig):
+    r"""
+    Args:
+        **MistralConfig fields**: ``vocab_size``, ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
+            ``num_key_value_heads`` (GQA), ``sliding_window`` (None: full causal attention), ``rope_parameters``, ...
+        fp_*: fixed-point settings (``fp_settings.FP_DEFAULTS``); FPSA defaults: ``fp_solver="picard"``,
+            ``fp_tol=1e-3`` (relative change per token and head), ``fp_max_iter=16`` (counts the exact first step;
+            ``fp_max_iter=1`` is the original Mistral).
+        fpsa_*: FPSA settings (``fp_fpsa.FPSA_DEFAULTS``): ``fpsa_update`` (``residual_norm``: ``Z = norm(R + W_O O)``
+            with the layer's input RMSNorm, or ``plain``), ``fpsa_step_norm`` (``none`` | ``tanh``),
+            ``fpsa_learn_temperature`` (default False here: the retrofit has exactly the base model's parameters),
+            ``fpsa_adjoint_mask``. ``fpsa_halting`` must be ``tolerance`` and ``fpsa_spectral_norm`` ``none``.
+
+    Example:
+        >>> config = SelfMistralConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        ...                          num_key_value_heads=2, intermediate_size=64, fp_max_iter=8)
+    """
+
+    model_type = "self_mistral"
+
+    def __init__(self, **kwargs):
+        for key, value in {**pop_fp_kwargs(kwargs, FPSA_FP_DEFAULTS),
+                           **pop_fpsa_kwargs(kwargs, SELF_FPSA_DEFAULTS)}.items():
+            setattr(self, key, value)
+        super().__init__(**kwargs)
+        check_heads(self)
+        check_decoder_fpsa(self)
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        return super().from_dict(retrofit_config_dict(cls, config_dict, COMPATIBLE_MODEL_TYPES), **kwargs)
+
+
+__all__ = ["SelfMistralConfig"]

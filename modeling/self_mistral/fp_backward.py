@@ -1,0 +1,230 @@
+# Source of truth: hf_fixedpoint/core/fp_backward.py. Verbatim copies live in modeling/*/ so that checkpoints
+# saved with save_pretrained() load with torch + transformers only. Edit here, then run
+# `python -m hf_fixedpoint.vendor`. Allowed imports: stdlib, torch, and `from .fp_<x> import ...`.
+"""``fixed_point``: a differentiable fixed-point solve, and the backward (gradient) modes behind it.
+
+The forward solve never builds a graph. How gradients reach the parameters and inputs of ``f`` is the backward mode:
+
+* ``ift`` -- implicit function theorem: ``dL/dtheta = u^T df/dtheta`` with ``u = J^T u + dL/dz*`` solved by any
+  registered solver (its own tolerance and cap). An adjoint that misses its tolerance is warned about and reported in
+  ``stats.backward``. ``adjoint_mask`` (or ``"converged"``) drops the implicit term for masked-out entries, as FPSA
+  does for tokens that did not converge: ``u = g + M * (J^T u)``.
+* ``phantom`` -- ``steps`` damped steps ``z <- (1 - damping) z + damping f(z)`` from ``z*`` with gradient.
+* ``one_step`` -- Jacobian-free backprop (JFB): one step ``f(z*)`` with gradient.
+* ``bptt`` -- backprop through a Picard unroll: the last ``steps`` steps from ``z*``, or, with ``steps=None`` (or at
+  least the number of forward evaluations), the whole unroll from ``z0`` (then ``z0`` gets a gradient too).
+
+The returned value is always the solver's ``z*``; the mode changes gradients only, never values. Gradients depend on
+``torch.is_grad_enabled()`` alone, never on ``module.training``: a model loaded with ``from_pretrained`` (which is
+put in ``eval()`` mode) trains as expected.
+"""
+
+import warnings
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .fp_registry import Registry, check_keywords, check_number, keyword_options
+from .fp_solvers import solve, solver_kwargs_check
+from .fp_stats import FixedPointWarning
+
+BACKWARDS = Registry("backward mode")
+
+
+class _ImplicitGrad(torch.autograd.Function):
+    """Identity on ``z*`` in the forward; in the backward, solves the adjoint system and sends ``u`` into ``f(z*)``."""
+
+    @staticmethod
+    def forward(ctx, z_star, fz_star, f, options, stats, mask):
+        ctx.f, ctx.options, ctx.stats, ctx.mask = f, options, stats, mask
+        # The backward re-evaluates f; it must see the autocast state of the forward (bf16 activations with fp32
+        # weights otherwise meet in one matmul and fail).
+        device = z_star.device.type
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        ctx.save_for_backward(z_star)
+        return z_star.clone()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        (z_star,) = ctx.saved_tensors
+        device, enabled, dtype = ctx.autocast
+        with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+            h = z_star.detach().requires_grad_()
+            fh = ctx.f(h)
+        mask = ctx.mask
+
+        clip = ctx.options["clip"]
+
+        def adjoint_map(u):
+            (jtu,) = torch.autograd.grad(fh, h, u.to(fh.dtype), retain_graph=True)
+            jtu = jtu.to(u.dtype)
+            if clip is not None:  # per sample: ||J^T u|| <= clip * ||u|| keeps the adjoint map contractive
+                un = torch.linalg.vector_norm(u.flatten(1), dim=1)
+                jn = torch.linalg.vector_norm(jtu.flatten(1), dim=1)
+                scale = (clip * un / jn.clamp_min(torch.finfo(jn.dtype).tiny)).clamp(max=1.0)
+                jtu = jtu * scale.view((-1,) + (1,) * (jtu.dim() - 1))
+            return grad + (jtu if mask is None else mask * jtu)
+
+        opts = ctx.options
+        u, bstats = solve(adjoint_map, grad, solver=opts["solver"], tol=opts["tol"], stop_mode="rel",
+                          max_iter=opts["max_iter"], solver_kwargs=opts["solver_kwargs"], return_mode="last",
+                          check=False)
+        if ctx.stats is not None:
+            ctx.stats.backward = bstats
+        if not bool(bstats.converged.all()):
+            # A constant message, so Python's default filter shows it once per call site instead of every step;
+            # the numbers are in stats.backward.
+            warnings.warn(
+                f"implicit backward: the adjoint solve ({opts['solver']}) did not reach rel tol {opts['tol']:g} "
+                f"within {opts['max_iter']} steps for some samples; gradients are approximate (see stats.backward). "
+                f"Raise fp_backward_max_iter, use another fp_backward_solver, or regularize the Jacobian.",
+                FixedPointWarning,
+                stacklevel=2,
+            )
+        return None, u, None, None, None, None
+
+
+def _straight_through(z_star, z_grad):
+    """Value of ``z_star``, gradient of ``z_grad``."""
+    return z_star + (z_grad - z_grad.detach())
+
+
+def _picard_unroll(f, z, steps, damping):
+    for _ in range(steps):
+        z = f(z) if damping == 1.0 else z + damping * (f(z) - z)
+    return z
+
+
+@BACKWARDS.register("ift")
+def ift(f, z0, z_star, stats, *, solver="anderson", tol=None, max_iter=None, solver_kwargs=None, mask=None,
+        clip=None, _forward=None):
+    """Implicit differentiation; defaults: forward tolerance and cap, Anderson adjoint.
+
+    ``clip`` (adjoint gradient clipping, as in the Attractor models' code): inside the adjoint map, rescale ``J^T u``
+    per sample so that ``||J^T u|| <= clip * ||u||``; with ``clip < 1`` the adjoint iteration stays a contraction even
+    when training has pushed ``f`` towards a non-contractive regime. ``None`` (default) leaves ``J^T u`` unchanged.
+    """
+    options = {
+        "solver": solver,
+        "tol": _forward["tol"] if tol is None else tol,
+        "max_iter": _forward["max_iter"] if max_iter is None else max_iter,
+        "solver_kwargs": solver_kwargs or {},
+        "clip": clip,
+    }
+    fz = f(z_star)
+    if not fz.requires_grad:
+        return z_star
+    if isinstance(mask, str):
+        mask = stats.converged
+    if mask is not None:
+        mask = mask.to(z_star.dtype).reshape(mask.shape + (1,) * (z_star.dim() - mask.dim()))
+    return _ImplicitGrad.apply(z_star, fz, f, options, stats, mask)
+
+
+@BACKWARDS.register("phantom")
+def phantom(f, z0, z_star, stats, *, steps=5, damping=1.0, _forward=None):
+    """Phantom gradient: ``steps`` damped steps from ``z*`` with gradient."""
+    return _straight_through(z_star, _picard_unroll(f, z_star, steps, damping))
+
+
+@BACKWARDS.register("one_step")
+def one_step(f, z0, z_star, stats, *, _forward=None):
+    """Jacobian-free backprop: one step ``f(z*)`` with gradient."""
+    return _straight_through(z_star, f(z_star))
+
+
+@BACKWARDS.register("bptt")
+def bptt(f, z0, z_star, stats, *, steps=None, damping=1.0, _forward=None):
+    """Backprop through a Picard unroll (see module docstring)."""
+    if steps is None or steps >= stats.nfe:
+        return _straight_through(z_star, _picard_unroll(f, z0, stats.nfe, damping))
+    return _straight_through(z_star, _picard_unroll(f, z_star, steps, damping))
+
+
+def backward_kwargs_check(backward: str, kwargs: Optional[dict], argument: str = "backward_kwargs") -> dict:
+    """Validate the options of a backward mode (errors list the allowed keys and values)."""
+    fn = BACKWARDS.get(backward)
+    kwargs = dict(kwargs or {})
+    if not kwargs:
+        return kwargs
+    check_keywords(kwargs, keyword_options(fn, keyword_only=True), argument, f"backward {backward!r}")
+    if "steps" in kwargs and not (backward == "bptt" and kwargs["steps"] is None):
+        check_number(kwargs["steps"], f"{argument}['steps']", low=1, integer=True)
+    if "damping" in kwargs:
+        check_number(kwargs["damping"], f"{argument}['damping']", low=0.0, high=1.0, low_open=True)
+    if backward == "ift":
+        if kwargs.get("solver") is not None:
+            solver_kwargs_check(kwargs["solver"], kwargs.get("solver_kwargs"), f"{argument}['solver_kwargs']")
+        if kwargs.get("tol") is not None:
+            check_number(kwargs["tol"], f"{argument}['tol']", low=0.0, low_open=True)
+        if kwargs.get("max_iter") is not None:
+            check_number(kwargs["max_iter"], f"{argument}['max_iter']", low=1, integer=True)
+        if kwargs.get("clip") is not None:
+            check_number(kwargs["clip"], f"{argument}['clip']", low=0.0, low_open=True)
+        mask = kwargs.get("mask")
+        if isinstance(mask, str) and mask != "converged":
+            raise ValueError(f"{argument}['mask']={mask!r} is not allowed. Allowed values: None, 'converged', "
+                             "or a bool tensor shaped like the entries.")
+    return kwargs
+
+
+def fixed_point(
+    f: Callable,
+    z0: torch.Tensor,
+    *,
+    args: Sequence = (),
+    solver: str = "anderson",
+    tol: float = 1e-4,
+    stop_mode: str = "rel",
+    norm: str = "l2",
+    max_iter: int = 50,
+    min_iter: int = 0,
+    batch_dims: int = 1,
+    stop_fraction: float = 0.0,
+    return_mode: str = "best",
+    compact: bool = False,
+    track_trace: bool = False,
+    solver_kwargs: Optional[dict] = None,
+    backward: str = "ift",
+    backward_kwargs: Optional[dict] = None,
+    check: bool = True,
+):
+    """Find ``z* = f(z*, *args)`` and make it differentiable with respect to everything ``f`` uses.
+
+    Args:
+        f: the map, called as ``f(z, *args)``; it may close over parameters and tensors.
+        z0: initial iterate. The first ``batch_dims`` dims index entries whose convergence is judged separately.
+        args, solver, tol, stop_mode, norm, max_iter, min_iter, batch_dims, stop_fraction, return_mode, compact,
+            track_trace, solver_kwargs: see ``fp_solvers.solve``.
+        backward: ``ift`` (default), ``phantom``, ``one_step`` or ``bptt`` (see the module docstring).
+        backward_kwargs: options of the backward mode: ``ift``: ``solver``, ``tol``, ``max_iter``,
+            ``solver_kwargs``, ``mask``, ``clip``; ``phantom``: ``steps``, ``damping``; ``bptt``: ``steps``,
+            ``damping``.
+
+    Returns:
+        ``(z_star, stats)``: ``z_star`` shaped like ``z0``; ``stats`` a ``FixedPointStats``.
+
+    Example:
+        >>> W = torch.randn(8, 8) * 0.1; x = torch.randn(4, 8, requires_grad=True)
+        >>> z, stats = fixed_point(lambda z: torch.tanh(z @ W.T + x), torch.zeros(4, 8))
+        >>> z.sum().backward()   # implicit gradient into x
+    """
+    if check:  # solve() validates its own arguments
+        backward_kwargs = backward_kwargs_check(backward, backward_kwargs)
+    z_star, stats = solve(f, z0, args=args, solver=solver, tol=tol, stop_mode=stop_mode, norm=norm,
+                          max_iter=max_iter, min_iter=min_iter, batch_dims=batch_dims, stop_fraction=stop_fraction,
+                          return_mode=return_mode, compact=compact, track_trace=track_trace,
+                          solver_kwargs=solver_kwargs, check=check)
+    if not torch.is_grad_enabled():
+        return z_star, stats
+    args = tuple(args)
+    fn = (lambda z: f(z, *args)) if args else f
+    mode = BACKWARDS.get(backward)
+    z_out = mode(fn, z0, z_star, stats, **(backward_kwargs or {}),
+                 _forward={"tol": tol, "max_iter": max_iter})
+    return z_out, stats
+
+
+__all__ = ["BACKWARDS", "backward_kwargs_check", "fixed_point"]
