@@ -120,7 +120,8 @@ def check_decoder_fpsa(config) -> None:
                          "decoder retrofits; allowed: 'tolerance' (learned halting is an encoder feature).")
     if config.fpsa_spectral_norm != "none":
         raise ValueError(f"{type(config).__name__}: fpsa_spectral_norm={config.fpsa_spectral_norm!r} is not "
-                         "supported by the decoder retrofits (it would change the pretrained W_Q/W_K); allowed: 'none'.")
+                         "supported by the decoder retrofits (it would change the pretrained W_Q/W_K); "
+                         "allowed: 'none'.")
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Configuration of SELF-Mistral: a Mistral decoder whose every attention layer is causal Fixed-Point Self-Attention.
 
-Every ``MistralConfig`` field keeps its meaning, so any Mistral ``config.json`` + checkpoint loads with unchanged weight
-names; the ``fp_*`` knobs (solver, ``fp_tol``, ``fp_max_iter``, backward mode...) and the ``fpsa_*`` knobs (update
-form, step norm, temperature) are added on top.
+Every ``MistralConfig`` field keeps its meaning, so any Mistral ``config.json`` + checkpoint loads with unchanged
+weight names; the ``fp_*`` knobs (solver, ``fp_tol``, ``fp_max_iter``, backward mode...) and the ``fpsa_*`` knobs
+(update form, step norm, temperature) are added on top.
 """
 
 from transformers import MistralConfig

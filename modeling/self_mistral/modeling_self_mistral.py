@@ -4,9 +4,10 @@
 Each decoder layer iterates its attention to a fixed point (``fp_fpsa.fpsa_decoder_attention``): queries and keys
 come from the iterate ``Z = input_layernorm(R + W_O O)`` with RoPE, values stay ``V = X W_V``, the causal (and padding)
 mask, restricted to Mistral's sliding window when the config sets one, applies in every iteration and grouped-query
-attention is kept. With the KV cache the window is that of transformers' sliding-window cache layers. ``q_proj``/``k_proj``/``v_proj``/``o_proj`` and
-every other module keep Mistral's names, so ``SelfMistralForCausalLM.from_pretrained(<any Mistral checkpoint>)`` loads the
-weights unchanged, and with ``fp_max_iter=1`` the model computes exactly what the Mistral checkpoint computes.
+attention is kept. With the KV cache the window is that of transformers' sliding-window cache layers.
+``q_proj``/``k_proj``/``v_proj``/``o_proj`` and every other module keep Mistral's names, so
+``SelfMistralForCausalLM.from_pretrained(<any Mistral checkpoint>)`` loads the weights unchanged, and with
+``fp_max_iter=1`` the model computes exactly what the Mistral checkpoint computes.
 
 Generation: with the KV cache, earlier tokens keep their converged keys and static values and only the new tokens
 iterate. Per-call knobs are named ``forward`` parameters, so they work through ``generate``:
