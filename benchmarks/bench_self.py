@@ -37,6 +37,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 EQUIV_TARGET = 1e-5
 SPEEDUP_TARGET = 5.0
+CONVERGED_CAP_HIT = 0.01  # cap-hit rate under which a run counts as converged (then tighter tols are tried)
 
 PROMPTS = [
     "The three primary colours of light are",
@@ -169,7 +170,54 @@ def iteration_stats(log):
     }
 
 
-def cached_vs_uncached(path, tok, new_tokens, cap, tols):
+def generation_settings(cap, damping):
+    """(c) runs the plain Picard loop at ``cap`` and, because the untrained retrofit leaves many entries unconverged
+    there, a damped Picard loop (``fp_solver_kwargs={"damping": damping}``) at ``4 * cap`` that converges."""
+    settings = [(f"picard, fp_max_iter={cap}", {"fp_max_iter": cap})]
+    if damping:
+        settings.append((f"picard damping {damping:g}, fp_max_iter={4 * cap}",
+                         {"fp_max_iter": 4 * cap, "fp_overrides": {"fp_solver_kwargs": {"damping": damping}}}))
+    return settings
+
+
+def compare_generation(model, batch, new_tokens, knobs, tok=None):
+    """One cached and one uncached run with the same knobs: equal tokens, times, logit differences, statistics."""
+    prompt_len = batch["input_ids"].shape[1]
+    cached, t_c, c_c, log = timed_generate(model, batch, new_tokens, True, **knobs)
+    uncached, t_u, c_u, _ = timed_generate(model, batch, new_tokens, False, **knobs)
+    a, b = cached.sequences[0, prompt_len:], uncached.sequences[0, prompt_len:]
+    same = bool(torch.equal(a, b))
+    agree = int((a != b).nonzero()[0]) + 1 if not same else len(a)  # steps whose logits see the same prefix
+    logits_c, logits_u = torch.cat(cached.logits), torch.cat(uncached.logits)
+    with torch.no_grad():
+        full = model(cached.sequences, **knobs).logits[0, prompt_len - 1:-1]
+    row = {"tokens_equal": same, "first_difference": None if same else agree, "compared_steps": agree,
+           "cached_s": t_c, "uncached_s": t_u,
+           "speedup": t_u / t_c, "cpu_speedup": c_u / c_c,
+           "diff_uncached": float((logits_c[:agree] - logits_u[:agree]).abs().max()),
+           "diff_full": float((logits_c - full).abs().max()), **iteration_stats(log)}
+    if tok is not None:
+        row["text"] = tok.decode(a)
+    return row
+
+
+def print_generation(name, tol, r):
+    print(f"    {name}, fp_tol={tol:g}: tokens equal: {r['tokens_equal']}"
+          + ("" if r["tokens_equal"] else f" (first difference at new token {r['first_difference']})"))
+    print(f"        wall: cached {r['cached_s']:7.2f} s, uncached {r['uncached_s']:7.2f} s, "
+          f"speedup {r['speedup']:5.2f}x (CPU time ratio {r['cpu_speedup']:.2f}x)")
+    print(f"        max |cached - uncached| logits over the {r['compared_steps']} steps with the same prefix: "
+          f"{r['diff_uncached']:.3e}; max |cached - one full forward of the final sequence|: {r['diff_full']:.3e}")
+    print(f"    (d) iterations of the cached run: prompt median {r['prompt_median']:g} (cap-hit "
+          f"{r['prompt_cap_hit_rate']:.3f}); per generated token (mean over layers and heads) median "
+          f"{r['token_mean_median']:.2f}, p90 {r['token_mean_p90']:.2f} over {r['steps']} steps; over every "
+          f"(layer, step, head): median {r['entry_median']:g}, p90 {r['entry_p90']:g}, cap-hit rate "
+          f"{r['cap_hit_rate']:.3f}")
+    if "text" in r:
+        print(f"        cached text: {r['text'][:160]!r}{'...' if len(r['text']) > 160 else ''}")
+
+
+def cached_vs_uncached(path, tok, new_tokens, cap, tols, damping):
     from hf_fixedpoint.modeling import SelfLlamaForCausalLM
 
     torch.set_num_threads(1)
@@ -178,46 +226,27 @@ def cached_vs_uncached(path, tok, new_tokens, cap, tols):
         batch = tok([GEN_PROMPT], return_tensors="pt")
     else:
         batch = encode(None, [GEN_PROMPT], 0, torch.Generator().manual_seed(2))
-    prompt_len = batch["input_ids"].shape[1]
-    tols = [model.config.fp_tol] + [t for t in tols if t != model.config.fp_tol]
-    print(f"\n(c) cached vs uncached greedy generation: prompt {prompt_len} tokens, {new_tokens} new tokens, "
-          f"fp_max_iter={cap}, 1 thread")
+    print(f"\n(c) cached vs uncached greedy generation: prompt {batch['input_ids'].shape[1]} tokens, {new_tokens} new "
+          "tokens, 1 thread")
     rows = []
-    for tol in tols:
-        knobs = {"fp_max_iter": cap, "fp_tol": tol}
-        cached, t_c, c_c, log = timed_generate(model, batch, new_tokens, True, **knobs)
-        uncached, t_u, c_u, _ = timed_generate(model, batch, new_tokens, False, **knobs)
-        a, b = cached.sequences[0, prompt_len:], uncached.sequences[0, prompt_len:]
-        same = bool(torch.equal(a, b))
-        agree = int((a != b).nonzero()[0]) + 1 if not same else len(a)  # steps whose logits see the same prefix
-        logits_c, logits_u = torch.cat(cached.logits), torch.cat(uncached.logits)
-        diff_uncached = float((logits_c[:agree] - logits_u[:agree]).abs().max())
-        with torch.no_grad():
-            full = model(cached.sequences, **knobs).logits[0, prompt_len - 1:-1]
-        diff_full = float((logits_c - full).abs().max())
-        speedup, cpu_speedup = t_u / t_c, c_u / c_c
-        print(f"    fp_tol={tol:g}: tokens equal: {same}" + ("" if same else f" (first difference at new token "
-                                                              f"{agree})"))
-        print(f"        wall: cached {t_c:7.2f} s, uncached {t_u:7.2f} s, speedup {speedup:5.2f}x "
-              f"(CPU time {c_c:.2f} s vs {c_u:.2f} s: {cpu_speedup:.2f}x)")
-        print(f"        max |cached - uncached| logits over the {agree} steps with the same prefix: "
-              f"{diff_uncached:.3e}")
-        print(f"        max |cached - one full forward of the final sequence| logits: {diff_full:.3e}")
-        stats = iteration_stats(log)
-        print(f"    (d) iterations, cached run at fp_tol={tol:g}: prompt median {stats['prompt_median']:g} "
-              f"(cap-hit {stats['prompt_cap_hit_rate']:.3f}); per generated token (mean over layers and heads) "
-              f"median {stats['token_mean_median']:.2f}, p90 {stats['token_mean_p90']:.2f} over {stats['steps']} "
-              f"steps; over every (layer, step, head): median {stats['entry_median']:g}, p90 {stats['entry_p90']:g}, "
-              f"cap-hit rate {stats['cap_hit_rate']:.3f}")
-        if tok is not None:
-            print(f"        cached text: {tok.decode(a)!r}")
-        rows.append({"fp_tol": tol, "tokens_equal": same, "speedup": speedup, "cpu_speedup": cpu_speedup,
-                     "diff_uncached": diff_uncached, "diff_full": diff_full, **stats})
-        if same:
-            break
-    verdict = "PASS" if rows[0]["speedup"] >= SPEEDUP_TARGET else "FAIL"
-    print(f"    {verdict}: speedup {rows[0]['speedup']:.2f}x at fp_tol={rows[0]['fp_tol']:g} "
-          f"(target >= {SPEEDUP_TARGET:g}x)")
+    for name, knobs in generation_settings(cap, damping):
+        for tol in [model.config.fp_tol] + [t for t in tols if t != model.config.fp_tol]:
+            row = {"setting": name, "fp_tol": tol,
+                   **compare_generation(model, batch, new_tokens, {**knobs, "fp_tol": tol}, tok)}
+            print_generation(name, tol, row)
+            rows.append(row)
+            if row["tokens_equal"]:
+                break
+            if row["cap_hit_rate"] > CONVERGED_CAP_HIT:
+                print(f"        tokens differ where {row['cap_hit_rate']:.1%} of the entries stop at the cap "
+                      "unconverged: earlier tokens' cached keys are then not a fixed point, so a tighter fp_tol "
+                      "cannot close the gap (not tried)")
+                break
+    first = rows[0]
+    verdict = "PASS" if first["speedup"] >= SPEEDUP_TARGET else "FAIL"
+    print(f"    {verdict}: speedup {first['speedup']:.2f}x ({first['setting']}, fp_tol={first['fp_tol']:g}; target >= "
+          f"{SPEEDUP_TARGET:g}x); cached and uncached tokens equal in the converged setting: "
+          f"{any(r['tokens_equal'] for r in rows if r['cap_hit_rate'] <= CONVERGED_CAP_HIT)}")
     return verdict, rows
 
 
@@ -229,6 +258,8 @@ def main(argv=None):
     parser.add_argument("--equiv-tokens", type=int, default=16, help="new tokens in the generate checks of (a), (b)")
     parser.add_argument("--cap", type=int, default=8, help="FPSA iteration cap in (c), (d)")
     parser.add_argument("--tols", default="1e-4,1e-5", help="tighter fp_tol values tried in (c) when tokens differ")
+    parser.add_argument("--damping", type=float, default=0.5,
+                        help="Picard damping of the converging setting in (c), at 4x the cap (0: skip it)")
     args = parser.parse_args(argv)
     from transformers.utils import logging
 
@@ -248,7 +279,7 @@ def main(argv=None):
             tok = AutoTokenizer.from_pretrained(path)
         print(f"torch {torch.__version__}, model: {'tiny random LLaMA' if args.tiny else path}")
         results = {"a": equivalence_llama(path, tok, args.equiv_tokens), "b": equivalence_mistral(args.equiv_tokens)}
-        results["c"], results["rows"] = cached_vs_uncached(path, tok, new_tokens, args.cap, tols)
+        results["c"], results["rows"] = cached_vs_uncached(path, tok, new_tokens, args.cap, tols, args.damping)
     print("\nsummary: " + ", ".join(f"({k}) {results[k]}" for k in ("a", "b", "c")))
     return results
 
