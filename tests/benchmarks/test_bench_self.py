@@ -7,6 +7,8 @@ def test_smoke_run_reports_every_section(capsys):
     results = main(["--tiny", "--new-tokens", "6", "--equiv-tokens", "4", "--cap", "4"])
     # fp_max_iter=1 is the base model exactly, for LLaMA and for Mistral with a sliding window shorter than the input
     assert results["a"] == "PASS" and results["b"] == "PASS"
+    mistral = results["mistral_cached"]  # sliding-window cache with FPSA iterations vs full recomputation
+    assert mistral["tokens_equal"] and mistral["diff_full"] < 1e-4 and mistral["entry_median"] > 1
     rows = results["rows"]
     assert [r["setting"] for r in rows] == ["picard, fp_max_iter=4", "picard damping 0.5, fp_max_iter=16"]
     for r in rows:
