@@ -12,11 +12,16 @@ Run from the repository root::
 (b) The same for a tiny random Mistral whose ``sliding_window`` is shorter than the sequence (sdpa and eager), with
     the difference to the same weights without a window (must be > 0, or the window was not exercised).
 (c) Cached vs uncached greedy generation of ``--new-tokens`` tokens at an FPSA cap > 1 (``--cap``, default 8): same
-    tokens?, wall and CPU time of each (one thread, same process), speedup (target >= 5x), max |logit difference|
+    tokens?, wall and CPU time of each (one thread, same process), speedup (target >= 5x, judged on CPU time, which
+    on a shared machine is the latency without the waits for a core; wall printed beside), max |logit difference|
     between the cached incremental logits and (i) the uncached run's logits (while their tokens agree), (ii) one full
     forward over the cached run's final sequence. Cached decoding keeps past tokens' converged keys, so the two agree
-    to within the solver tolerance only: when the tokens differ at the config's ``fp_tol``, tighter tolerances
-    (``--tols``) are tried too.
+    to within the solver tolerance only, and only where the solve converged: an entry stopped at the cap is not a
+    fixed point, and the keys cached for it differ from those a full recomputation iterates with. The untrained
+    retrofit leaves many entries unconverged with plain Picard, so a second setting runs damped Picard
+    (``--damping``, at 4x the cap), which converges. When tokens differ in a converged run (cap-hit rate <= 1%),
+    tighter tolerances (``--tols``) are tried too. Reference rows: cached decoding of the base LLaMA and of
+    SELF-LLaMA at ``fp_max_iter=1`` (the FPSA machinery's own overhead).
 (d) Iterations per generated token, from the ``fp_stats_log`` of the cached run (one ``FPSAStats`` per forward:
     the prompt, then one per decoding step): median / p90 over steps of each step's mean over layers and heads, the
     median over every (layer, step, head) entry and the cap-hit rate.
@@ -147,12 +152,14 @@ def equivalence_mistral(new_tokens, window=6):
 
 
 def timed_generate(model, batch, new_tokens, use_cache, **knobs):
-    log = []
+    """Greedy generation of exactly ``new_tokens`` tokens: (output, wall s, CPU s, the FPSAStats log or None)."""
+    log = [] if hasattr(model.config, "fp_max_iter") else None
+    if log is not None:
+        knobs["fp_stats_log"] = log
     t0, c0 = time.perf_counter(), time.process_time()
     with torch.no_grad():
         out = model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                             use_cache=use_cache, output_logits=True, return_dict_in_generate=True,
-                             fp_stats_log=log, **knobs)
+                             use_cache=use_cache, output_logits=True, return_dict_in_generate=True, **knobs)
     return out, time.perf_counter() - t0, time.process_time() - c0, log
 
 
@@ -198,7 +205,7 @@ def compare_generation(model, batch, new_tokens, knobs, tok=None):
     with torch.no_grad():
         full = model(cached.sequences, **knobs).logits[0, prompt_len - 1:-1]
     row = {"tokens_equal": same, "first_difference": None if same else agree, "compared_steps": agree,
-           "cached_s": t_c, "uncached_s": t_u,
+           "cached_s": t_c, "uncached_s": t_u, "cached_cpu_s": c_c, "uncached_cpu_s": c_u, "new_tokens": new_tokens,
            "speedup": t_u / t_c, "cpu_speedup": c_u / c_c,
            "diff_uncached": float((logits_c[:agree] - logits_u[:agree]).abs().max()),
            "diff_full": float((logits_c - full).abs().max()), **iteration_stats(log)}
@@ -211,7 +218,8 @@ def print_generation(name, tol, r):
     print(f"    {name}, fp_tol={tol:g}: tokens equal: {r['tokens_equal']}"
           + ("" if r["tokens_equal"] else f" (first difference at new token {r['first_difference']})"))
     print(f"        wall: cached {r['cached_s']:7.2f} s, uncached {r['uncached_s']:7.2f} s, "
-          f"speedup {r['speedup']:5.2f}x (CPU time ratio {r['cpu_speedup']:.2f}x)")
+          f"speedup {r['speedup']:5.2f}x (CPU time {r['cached_cpu_s']:.2f} s vs {r['uncached_cpu_s']:.2f} s: "
+          f"{r['cpu_speedup']:.2f}x; cached {1e3 * r['cached_cpu_s'] / r['new_tokens']:.0f} ms/tok)")
     print(f"        max |cached - uncached| logits over the {r['compared_steps']} steps with the same prefix: "
           f"{r['diff_uncached']:.3e}; max |cached - one full forward of the final sequence|: {r['diff_full']:.3e}")
     print(f"    (d) iterations of the cached run: prompt median {r['prompt_median']:g} (cap-hit "
@@ -224,6 +232,8 @@ def print_generation(name, tol, r):
 
 
 def cached_vs_uncached(path, tok, new_tokens, cap, tols, damping):
+    from transformers import LlamaForCausalLM
+
     from hf_fixedpoint.modeling import SelfLlamaForCausalLM
 
     torch.set_num_threads(1)
@@ -234,6 +244,11 @@ def cached_vs_uncached(path, tok, new_tokens, cap, tols, damping):
         batch = encode(None, [GEN_PROMPT], 0, torch.Generator().manual_seed(2))
     print(f"\n(c) cached vs uncached greedy generation: prompt {batch['input_ids'].shape[1]} tokens, {new_tokens} new "
           "tokens, 1 thread")
+    # where the cached time goes: the base model's decoding and the FPSA machinery at one step
+    _, t_base, c_base, _ = timed_generate(LlamaForCausalLM.from_pretrained(path).eval(), batch, new_tokens, True)
+    _, t_one, c_one, _ = timed_generate(model, batch, new_tokens, True, fp_max_iter=1)
+    print(f"    reference, cached: LLaMA {t_base:.2f} s (CPU {c_base:.2f} s, {1e3 * c_base / new_tokens:.0f} ms/tok);"
+          f" SELF-LLaMA fp_max_iter=1 {t_one:.2f} s (CPU {c_one:.2f} s, {1e3 * c_one / new_tokens:.0f} ms/tok)")
     rows = []
     for name, knobs in generation_settings(cap, damping):
         for tol in [model.config.fp_tol] + [t for t in tols if t != model.config.fp_tol]:
@@ -249,9 +264,11 @@ def cached_vs_uncached(path, tok, new_tokens, cap, tols, damping):
                       "cannot close the gap (not tried)")
                 break
     first = rows[0]
-    verdict = "PASS" if first["speedup"] >= SPEEDUP_TARGET else "FAIL"
-    print(f"    {verdict}: speedup {first['speedup']:.2f}x ({first['setting']}, fp_tol={first['fp_tol']:g}; target >= "
-          f"{SPEEDUP_TARGET:g}x); cached and uncached tokens equal in the converged setting: "
+    # judged on CPU time: with one thread it is the latency without the time spent waiting for a shared core
+    verdict = "PASS" if first["cpu_speedup"] >= SPEEDUP_TARGET else "FAIL"
+    print(f"    {verdict}: speedup {first['cpu_speedup']:.2f}x in CPU time ({first['speedup']:.2f}x wall) "
+          f"({first['setting']}, fp_tol={first['fp_tol']:g}; target >= {SPEEDUP_TARGET:g}x); cached and uncached "
+          f"tokens equal in a converged setting: "
           f"{any(r['tokens_equal'] for r in rows if r['cap_hit_rate'] <= CONVERGED_CAP_HIT)}")
     return verdict, rows
 
