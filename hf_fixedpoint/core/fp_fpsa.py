@@ -337,7 +337,7 @@ def fpsa_attention(
         dropout: attention dropout of the exact first step; the inner iterations are deterministic so that the map
             has a fixed point.
         adjoint_mask: ``ift`` backward: keep the implicit term only for converged entries.
-        return_weights: also return the attention weights at the fixed point (one extra evaluation, no gradient).
+        return_weights: also return the attention weights at the fixed point (one extra evaluation).
         halting: ``tolerance`` or ``learned`` (then ``halting_gate`` is required).
         margin_fn: learned halting: ``margin_fn(z) -> (B, T, C)`` task-head logits of the current iterate ``z``;
             the feature is their top-2 margin.
@@ -399,8 +399,7 @@ def fpsa_attention(
         converged = solve_stats.converged
     weights = w1 if max_iter == 1 else None
     if return_weights and max_iter > 1:
-        with torch.no_grad():
-            _, weights = attend(state(o, residual), value, attention_mask, extra)
+        _, weights = attend(state(o, residual), value, attention_mask, extra)
     final_state = None
     if return_state:
         final_state = x if max_iter == 1 else state(o, residual)

@@ -82,7 +82,7 @@ class SelfMistralAttention(MistralAttention):
             fp_kwargs=fpsa_fp_kwargs, attention_mask=attention_mask, cache=past_key_values, residual=fpsa_residual,
             norm=fpsa_norm, log_temperature=self.fpsa_log_tau, update=config.fpsa_update,
             step_norm=config.fpsa_step_norm, adjoint_mask=config.fpsa_adjoint_mask,
-            return_weights=bool(kwargs.get("output_attentions")), attention_kwargs=kwargs,
+            return_weights=bool(kwargs.get("output_attentions", config.output_attentions)), attention_kwargs=kwargs,
         )
         if fpsa_stats is not None:
             fpsa_stats.add(result, layer=self)
@@ -159,6 +159,7 @@ class SelfMistralModel(SelfMistralPreTrainedModel, MistralModel):
         self.gradient_checkpointing = False
         self.post_init()
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, use_cache=None, fp_overrides: Optional[dict] = None,
                 fpsa_stats: Optional[FPSAStats] = None, **kwargs):
@@ -168,9 +169,9 @@ class SelfMistralModel(SelfMistralPreTrainedModel, MistralModel):
         if attention_mask is not None and attention_mask.dim() == 2:
             length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
             stats.token_mask = attention_mask[:, -length:].bool()
-        kwargs["return_dict"] = True
         out = super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                               past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                              return_dict=True,
                               fpsa_fp_kwargs=fixed_point_kwargs(self.config, self.training, fp_overrides),
                               fpsa_stats=stats, **kwargs)
         return SelfMistralModelOutputWithPast(**out, fp_stats=stats)

@@ -264,11 +264,14 @@ def check_solve_args(*, solver, tol, stop_mode, norm, max_iter, min_iter, batch_
 
 
 def _residual(gz, fz, stop_mode, norm):
+    # At least float32: in float16 the squares of small entries underflow and 1e-9 rounds to 0, so a tiny row's
+    # relative residual would be 0 / 0 = NaN (and be reported as a non-finite iterate).
+    acc = torch.promote_types(gz.dtype, torch.float32)
     if norm == "l2":
-        r = torch.linalg.vector_norm(gz, dim=1)
-        return r / (torch.linalg.vector_norm(fz, dim=1) + 1e-9) if stop_mode == "rel" else r
-    r = gz.abs().amax(1)
-    return r / (fz.abs().amax(1) + 1e-9) if stop_mode == "rel" else r
+        r = torch.linalg.vector_norm(gz, dim=1, dtype=acc)
+        return r / (torch.linalg.vector_norm(fz, dim=1, dtype=acc) + 1e-9) if stop_mode == "rel" else r
+    r = gz.abs().amax(1).to(acc)
+    return r / (fz.abs().amax(1).to(acc) + 1e-9) if stop_mode == "rel" else r
 
 
 def solve(
@@ -328,7 +331,8 @@ def solve(
     entry_shape = shape[:batch_dims]
     if G == 0 or z0.numel() == 0:
         empty = torch.zeros(entry_shape, dtype=torch.long, device=z0.device)
-        return z0.detach().clone(), FixedPointStats(empty, z0.new_zeros(entry_shape), empty.bool(), 0, solver, tol,
+        residual = z0.new_zeros(entry_shape, dtype=torch.promote_types(z0.dtype, torch.float32))
+        return z0.detach().clone(), FixedPointStats(empty, residual, empty.bool(), 0, solver, tol,
                                                      stop_mode)
     gps = G // B  # entries per sample
     d = z0.numel() // G
@@ -358,7 +362,7 @@ def solve(
             if observe is not None:
                 observe(res)
             if trace is not None:
-                row = z.new_full((G,), math.nan)
+                row = z.new_full((G,), math.nan, dtype=res.dtype)
                 row[slice(None) if gidx is None else gidx] = res if done is None else res.masked_fill(done, math.nan)
                 trace.append(row)
             # One host sync per iteration: the smallest residual among open rows (NaN propagates, so it is also the
@@ -423,7 +427,7 @@ def solve(
                     rows = (keep_s[:, None] * gps + torch.arange(gps, device=z.device)).reshape(-1)
                     if gidx is None:
                         gidx = torch.arange(G, device=z.device)
-                        results = (z.new_empty(G, d), z.new_empty(G),
+                        results = (z.new_empty(G, d), z.new_empty(G, dtype=res.dtype),
                                    torch.zeros(G, dtype=torch.long, device=z.device),
                                    torch.zeros(G, dtype=torch.bool, device=z.device))
                     gone = torch.ones_like(done)

@@ -195,3 +195,13 @@ def test_broyden_restarts_when_memory_is_full(memory):
     z, s = solve(f, torch.zeros(8, 64), args=(x.detach(),), solver="broyden", tol=1e-4, max_iter=500,
                  solver_kwargs={"memory": memory})
     assert s.converged.all() and s.nfe < 200
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_residual_of_tiny_rows_is_finite(dtype):
+    # Rows of size ~1e-4: in float16 their squared entries underflow and 1e-9 rounds to 0, so a residual computed in
+    # the input dtype is 0 / 0 = NaN and the solve would be reported as non-finite. It is computed in float32.
+    z0 = torch.full((4, 8), 1e-4, dtype=dtype)
+    z, stats = solve(lambda z: 0.5 * z + 5e-5, z0, solver="picard", tol=1e-2, max_iter=20)
+    assert stats.residual.dtype == torch.float32 and torch.isfinite(stats.residual).all()
+    assert stats.converged.all() and z.dtype == dtype
