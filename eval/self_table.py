@@ -13,8 +13,9 @@ each task is evaluated on its own, so that every row has its own timing and stat
   call of the evaluation (loglikelihood batches, the prompt and every decoding step of ``generate``);
   ``FPSAStats.merge`` of them gives the median / p90 over every (layer, token, head) entry and the cap-hit rate
   (at cap 1 every entry counts as a cap hit: one step is taken and no convergence is tested);
-* latency: seconds spent in the model's ``forward`` during the task (lm-eval's task building, tokenisation and
-  scoring excluded) and that time per example (document).
+* latency: wall and process CPU seconds spent in the model's ``forward`` during the task (lm-eval's task building,
+  tokenisation and scoring excluded) and the CPU time per example (document). Run with one thread
+  (``OMP_NUM_THREADS=1``) on a shared machine: the CPU time is then the latency without the waits for a core.
 
 With ``--batch_size`` > 1 the loglikelihood batches of lm-eval are right-padded without an attention mask, so the
 padding positions (which do not change the real tokens' results) are counted in the iteration statistics too; the
@@ -70,18 +71,23 @@ def task_scores(results: dict) -> dict:
 class ForwardRecorder:
     """Forward hooks on a model that collect the ``fp_stats`` of every output and the seconds spent in ``forward``.
 
-    Use as a context manager; ``stats`` is the list of ``FPSAStats``, ``seconds`` the summed forward time (for
-    ``generate``: the prompt and every decoding step, without the sampling bookkeeping between them).
+    Use as a context manager; ``stats`` is the list of ``FPSAStats``, ``seconds`` / ``cpu_seconds`` the summed wall
+    and process CPU time of the forward calls (for ``generate``: the prompt and every decoding step, without the
+    sampling bookkeeping between them). With one thread the CPU time is the latency without the time spent waiting
+    for a core, the stable number on a shared machine.
     """
 
     def __init__(self, model):
-        self.model, self.stats, self.seconds, self._start, self._handles = model, [], 0.0, None, []
+        self.model, self.stats, self._handles = model, [], []
+        self.seconds = self.cpu_seconds = 0.0
+        self._start = self._cpu_start = None
 
     def _pre(self, module, args):
-        self._start = time.perf_counter()
+        self._start, self._cpu_start = time.perf_counter(), time.process_time()
 
     def _post(self, module, args, output):
         self.seconds += time.perf_counter() - self._start
+        self.cpu_seconds += time.process_time() - self._cpu_start
         stats = getattr(output, "fp_stats", None)
         if stats is None:
             raise ValueError(f"{type(module).__name__} returned no fp_stats: the iteration table needs a model whose "
@@ -101,8 +107,8 @@ class ForwardRecorder:
 
 def self_table(lm, caps, tasks, *, tol: float | None = None, limit=None) -> list:
     """One row per (task, cap): ``{"task", "cap", "metrics", "fpsa_iter_median", "fpsa_iter_p90",
-    "fpsa_cap_hit_rate", "forward_calls", "examples", "seconds", "model_seconds", "ms_per_example"}``
-    (``ms_per_example``: forward time per example)."""
+    "fpsa_cap_hit_rate", "forward_calls", "examples", "seconds", "model_seconds", "model_cpu_seconds",
+    "cpu_ms_per_example"}`` (``seconds``: the whole evaluation; ``model_*``: inside ``forward``)."""
     for var in OFFLINE_ENV:
         os.environ.setdefault(var, "1")
     import lm_eval
@@ -129,19 +135,20 @@ def self_table(lm, caps, tasks, *, tol: float | None = None, limit=None) -> list
             examples = out["n-samples"][task]["effective"]
             rows.append({"task": task, "cap": cap, "metrics": task_scores(out)[task],
                          **{k: summary[k] for k in STAT_KEYS}, "forward_calls": len(rec.stats), "examples": examples,
-                         "seconds": seconds, "model_seconds": rec.seconds,
-                         "ms_per_example": 1e3 * rec.seconds / max(examples, 1)})
+                         "seconds": seconds, "model_seconds": rec.seconds, "model_cpu_seconds": rec.cpu_seconds,
+                         "cpu_ms_per_example": 1e3 * rec.cpu_seconds / max(examples, 1)})
     return rows
 
 
 def format_table(rows: list) -> str:
     """Markdown table: task, cap, metrics, median / p90 iterations, cap-hit rate, latency."""
-    lines = ["| task | cap | metrics | median iters | p90 iters | cap-hit | forward s | ms / example |",
-             "|---|---:|---|---:|---:|---:|---:|---:|"]
+    lines = ["| task | cap | metrics | median iters | p90 iters | cap-hit | forward s (wall) | forward CPU s | "
+             "CPU ms / example |", "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         metrics = ", ".join(f"{k} {v:.3f}" for k, v in r["metrics"].items())
         lines.append(f"| {r['task']} | {r['cap']} | {metrics} | {r['fpsa_iter_median']:g} | {r['fpsa_iter_p90']:g} | "
-                     f"{r['fpsa_cap_hit_rate']:.3f} | {r['model_seconds']:.1f} | {r['ms_per_example']:.1f} |")
+                     f"{r['fpsa_cap_hit_rate']:.3f} | {r['model_seconds']:.1f} | {r['model_cpu_seconds']:.1f} | "
+                     f"{r['cpu_ms_per_example']:.0f} |")
     return "\n".join(lines)
 
 

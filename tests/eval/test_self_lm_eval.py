@@ -101,7 +101,7 @@ def test_table_iterations_are_the_models_stats(self_dir, tokenizer):
                                                      ("fp_copy_gen", CAP)]
     assert "fp_stats_log" not in lm.forward_kwargs and lm.fp_overrides == {"fp_max_iter": CAP}
     for r in rows:
-        assert r["examples"] == 2 and r["forward_calls"] >= 2 and r["model_seconds"] > 0
+        assert r["examples"] == 2 and r["forward_calls"] >= 2 and r["model_seconds"] > 0 and r["model_cpu_seconds"] > 0
         assert set(r["metrics"]) == ({"acc", "acc_norm"} if r["task"] == "fp_copy_mc" else {"exact_match"})
     at1, at_cap = rows[0], rows[2]
     assert at1["fpsa_iter_median"] == at1["fpsa_iter_p90"] == 1 and at1["fpsa_cap_hit_rate"] == 1.0
@@ -123,7 +123,7 @@ def test_table_iterations_are_the_models_stats(self_dir, tokenizer):
     assert at_cap["fpsa_cap_hit_rate"] == pytest.approx(direct["fpsa_cap_hit_rate"])
     assert 1 < rows[3]["fpsa_iter_median"] <= CAP
     table = format_table(rows)
-    assert table.count("\n") == 5 and f"| fp_copy_gen | {CAP} | exact_match" in table
+    assert table.count("\n") == 5 and f"| fp_copy_gen | {CAP} | exact_match" in table and "CPU ms / example" in table
     with pytest.raises(ValueError, match="caps="):
         self_table(lm, [0], ["fp_copy_mc"], limit=1)
 
