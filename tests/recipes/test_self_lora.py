@@ -6,9 +6,11 @@ trained on the generated problems, so everything is offline and takes seconds. O
 """
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,6 +35,7 @@ from transformers import (  # noqa: E402
 from hf_fixedpoint.modeling import SelfLlamaForCausalLM, SelfMistralForCausalLM  # noqa: E402
 from recipes import self_lora  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=256, initializer_range=0.1)
 
@@ -142,17 +145,26 @@ def test_trains_only_lora_resumes_and_exports(tiny_llama, tmp_path):
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), want, atol=1e-4, rtol=1e-4)
 
 
-def test_mistral_checkpoint_uses_self_mistral(tmp_path):
+def test_mistral_checkpoint_under_accelerate_launch_with_accumulation_and_bf16(tmp_path):
     folder = tmp_path / "tiny_mistral"
     tok = tokenizer_for_problems()
     MistralForCausalLM(MistralConfig(vocab_size=len(tok), sliding_window=None, **TINY)).save_pretrained(folder)
     tok.save_pretrained(folder)
     assert self_lora.self_model_class(folder) is SelfMistralForCausalLM
-    metrics = run(small(tmp_path / "out", folder, steps=2, extra=["--eval_fp_max_iter", 2,
-                                                                  "--lora_target_modules", "q_proj,v_proj"]))
+    out = tmp_path / "out"
+    argv = small(out, folder, steps=2, extra=["--eval_fp_max_iter", 2, "--lora_target_modules", "q_proj,v_proj",
+                                              "--gradient_accumulation_steps", 2, "--bf16"])
+    done = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1",
+                           "--num_machines", "1", "--dynamo_backend", "no", "--mixed_precision", "no",
+                           str(ROOT / "recipes" / "self_lora.py"), *map(str, argv)], cwd=tmp_path, capture_output=True,
+                          text=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                                          "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert [r["step"] for r in metrics["train_log"]] == [1, 2]  # 2 optimizer steps of 2 micro-batches each
     assert torch.isfinite(torch.tensor(metrics["train_log"][-1]["loss"]))
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "self_mistral"
-    adapter = json.loads((tmp_path / "out" / "adapter" / "adapter_config.json").read_text())
+    assert json.loads((out / "config.json").read_text())["model_type"] == "self_mistral"
+    adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert sorted(adapter["target_modules"]) == ["q_proj", "v_proj"]
 
 
