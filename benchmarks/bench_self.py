@@ -20,8 +20,9 @@ Run from the repository root::
     fixed point, and the keys cached for it differ from those a full recomputation iterates with. The untrained
     retrofit leaves many entries unconverged with plain Picard, so a second setting runs damped Picard
     (``--damping``, at 4x the cap), which converges. When tokens differ in a converged run (cap-hit rate <= 1%),
-    tighter tolerances (``--tols``) are tried too. Reference rows: cached decoding of the base LLaMA and of
-    SELF-LLaMA at ``fp_max_iter=1`` (the FPSA machinery's own overhead).
+    tighter tolerances (``--tols``) are tried too. A tolerance sweep (damped, cap 12x ``--cap``, up to 32 tokens)
+    shows the cached-vs-full-forward gap shrinking with ``fp_tol``. Reference rows: cached decoding of the base LLaMA
+    and of SELF-LLaMA at ``fp_max_iter=1`` (the FPSA machinery's own overhead).
 (d) Iterations per generated token, from the ``fp_stats_log`` of the cached run (one ``FPSAStats`` per forward:
     the prompt, then one per decoding step): median / p90 over steps of each step's mean over layers and heads, the
     median over every (layer, step, head) entry and the cap-hit rate.
@@ -231,6 +232,23 @@ def print_generation(name, tol, r):
         print(f"        cached text: {r['text'][:160]!r}{'...' if len(r['text']) > 160 else ''}")
 
 
+def tolerance_sweep(model, batch, new_tokens, cap, damping, tols):
+    """Cached decoding vs one full forward of its output at decreasing ``fp_tol`` (damped Picard, converging): the gap
+    must shrink with the tolerance if cached keys are converged keys."""
+    prompt_len = batch["input_ids"].shape[1]
+    print(f"    tolerance sweep, damped Picard {damping:g}, fp_max_iter={cap}, {new_tokens} new tokens: "
+          "max |cached - one full forward| logits")
+    for tol in tols:
+        knobs = {"fp_max_iter": cap, "fp_tol": tol, "fp_overrides": {"fp_solver_kwargs": {"damping": damping}}}
+        out, _, cpu, log = timed_generate(model, batch, new_tokens, True, **knobs)
+        with torch.no_grad():
+            full = model(out.sequences, **knobs).logits[0, prompt_len - 1:-1]
+        stats = iteration_stats(log)
+        print(f"        fp_tol={tol:g}: {float((torch.cat(out.logits) - full).abs().max()):.3e} (per-token iterations "
+              f"median {stats['token_mean_median']:.2f}, cap-hit {stats['cap_hit_rate']:.4f}, cached CPU "
+              f"{1e3 * cpu / new_tokens:.0f} ms/token)")
+
+
 def cached_vs_uncached(path, tok, new_tokens, cap, tols, damping):
     from transformers import LlamaForCausalLM
 
@@ -263,6 +281,9 @@ def cached_vs_uncached(path, tok, new_tokens, cap, tols, damping):
                       "unconverged: earlier tokens' cached keys are then not a fixed point, so a tighter fp_tol "
                       "cannot close the gap (not tried)")
                 break
+    if damping:
+        tolerance_sweep(model, batch, min(new_tokens, 32), 12 * cap, damping,
+                        [model.config.fp_tol] + [t for t in tols if t != model.config.fp_tol])
     first = rows[0]
     # judged on CPU time: with one thread it is the latency without the time spent waiting for a shared core
     verdict = "PASS" if first["cpu_speedup"] >= SPEEDUP_TARGET else "FAIL"
