@@ -298,6 +298,7 @@ def evaluate(model, tokenizer, eval_set, args, accelerator, fp_max_iter: int) ->
 
 
 def evaluate_caps(model, tokenizer, eval_set, args, accelerator, caps, label) -> list:
+    """``evaluate`` at each cap, printed as one line per cap plus the first generation (a quick sanity check)."""
     results = []
     for cap in caps:
         r = evaluate(model, tokenizer, eval_set, args, accelerator, cap)
