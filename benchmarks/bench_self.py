@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m benchmarks.bench_self                 # real SmolLM2-135M-Instruct, 128 new tokens (~5 min on 2 cores)
+    python -m benchmarks.bench_self                 # real SmolLM2-135M-Instruct, 128 new tokens (~15 min, 2 cores)
     python -m benchmarks.bench_self --quick         # 32 new tokens, one tolerance
     python -m benchmarks.bench_self --tiny --new-tokens 8   # tiny random LLaMA (seconds; what the smoke test runs)
 
