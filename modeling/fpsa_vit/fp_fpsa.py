@@ -468,7 +468,9 @@ def fpsa_decoder_attention(
     the new tokens iterate against them, and once they have converged the keys of their final iterate (``K(x)`` when
     ``fp_max_iter=1``, so that one step is exactly the base model) replace placeholders written before the solve.
     Because earlier tokens never attend to later ones, this is the same fixed point that a full recomputation finds:
-    cached and uncached forwards agree to within the solver tolerance (exactly for ``fp_max_iter=1``).
+    where the solves converge, cached and uncached forwards agree to within the solver tolerance (exactly for
+    ``fp_max_iter=1``). Entries stopped at the cap unconverged have no fixed point to agree on: there the cached keys
+    (of the last iterate) and a full recomputation's differ, and greedy tokens can diverge.
 
     Returns ``(output, result)``: the attention block's output after ``o_proj`` ``(B, T, D)`` and the ``FPSAResult``.
     """
