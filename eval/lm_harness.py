@@ -46,8 +46,9 @@ checkpoint is evaluated at several compute budgets without rewriting it. Keys of
 Other differences from ``hf``: ``device`` defaults to ``cuda`` when available and ``cpu`` otherwise (a requested
 ``cuda`` device falls back to ``cpu`` with a warning when CUDA is unavailable, e.g. the CLI's default ``cuda:0``);
 ``generate`` uses the KV cache only where the model's config says ``use_cache=True`` (families whose cached
-generation is tested equal to uncached: Ouro, Attractor LM); otherwise the whole prefix is recomputed; the model SHA
-of a local directory is not looked up on the Hub.
+generation is tested equal to uncached: Ouro, Attractor LM, and SELF-LLaMA / SELF-Mistral where their solves converge,
+see ``docs/self_llama.md``); otherwise the whole prefix is recomputed; the model SHA of a local directory is not
+looked up on the Hub.
 """
 
 from __future__ import annotations
