@@ -17,8 +17,9 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, set_seed
 from tqdm.auto import tqdm
-from transformers import get_linear_schedule_with_warmup
+from transformers import get_scheduler
 
+from hf_fixedpoint.core.fp_fpsa import FPSAStats
 from hf_fixedpoint.hub import export
 
 # FPSA knobs a recipe forwards to ``from_pretrained`` / the config when set on the command line.
@@ -94,12 +95,14 @@ def fp_overrides(args) -> dict:
 
 
 def make_accelerator(args) -> Accelerator:
-    """One accelerate set-up for all recipes: bf16 on request, CPU when no GPU is present, a fixed seed.
+    """One accelerate set-up for all recipes: bf16 on request, CPU when no GPU is present, gradient accumulation
+    (``args.gradient_accumulation_steps``, default 1), a fixed seed.
 
     The seedable sampler makes each epoch's shuffle a function of (seed, epoch), so a resumed run sees the batches
     the interrupted one would have seen.
     """
     accelerator = Accelerator(mixed_precision="bf16" if args.bf16 else "no", cpu=not torch.cuda.is_available(),
+                              gradient_accumulation_steps=getattr(args, "gradient_accumulation_steps", 1),
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
     set_seed(args.seed)
     return accelerator
@@ -110,7 +113,8 @@ def iteration_summary(stats) -> dict:
     return stats.summary() if stats is not None and stats.iterations_per_layer else {}
 
 
-def _latest_checkpoint(output_dir):
+def latest_checkpoint(output_dir):
+    """The newest ``output_dir/step_<n>`` folder."""
     folders = [f for f in os.listdir(output_dir) if re.fullmatch(r"step_\d+", f)] if os.path.isdir(output_dir) else []
     if not folders:
         raise FileNotFoundError(f"resume_from_checkpoint='latest' but {output_dir!r} has no step_<n> folder")
@@ -118,41 +122,53 @@ def _latest_checkpoint(output_dir):
 
 
 def train(args, accelerator, model, train_loader):
-    """AdamW + linear schedule training loop with clipping, progress bar, iteration statistics and resume.
+    """AdamW training loop with a warm-up schedule, gradient accumulation, clipping, progress bar, iteration statistics
+    and resume.
 
     Args:
         model, train_loader: not yet prepared; ``train`` prepares them with the optimizer and scheduler. Each batch is
             a dict of model inputs with labels; the model's ``outputs.loss`` is minimised (it includes the ponder cost
-            of learned halting) and its ``outputs.fp_stats`` are logged.
+            of learned halting) and its ``outputs.fp_stats`` are logged. Only parameters with ``requires_grad`` are
+            optimised (e.g. the LoRA weights of a PEFT model).
+        args: ``learning_rate``, ``weight_decay``, ``warmup_ratio``, ``max_steps`` / ``num_train_epochs``,
+            ``max_grad_norm``, ``logging_steps``, ``checkpointing_steps``, ``output_dir``, ``resume_from_checkpoint``;
+            optional ``lr_scheduler_type`` (default ``linear``). Accumulation comes from the accelerator
+            (``make_accelerator``): a step is one optimizer step.
     Returns:
         ``(unwrapped model, history)``; history is a list of the logged dicts. The training state (model, optimizer,
         scheduler, RNG) is saved with ``accelerator.save_state`` to ``output_dir/step_<n>`` every
         ``checkpointing_steps`` and at the end, and ``resume_from_checkpoint`` continues from such a folder.
     """
-    steps_per_epoch = max(1, math.ceil(len(train_loader) / accelerator.num_processes))
+    accumulation = accelerator.gradient_accumulation_steps
+    steps_per_epoch = max(1, math.ceil(len(train_loader) / accelerator.num_processes / accumulation))
     total = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
     no_decay = ("bias", "LayerNorm.weight", "layernorm.weight", "norm.weight")
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [
-        {"params": [p for n, p in model.named_parameters() if not n.endswith(no_decay)],
-         "weight_decay": args.weight_decay},
-        {"params": [p for n, p in model.named_parameters() if n.endswith(no_decay)], "weight_decay": 0.0},
+        {"params": [p for n, p in trainable if not n.endswith(no_decay)], "weight_decay": args.weight_decay},
+        {"params": [p for n, p in trainable if n.endswith(no_decay)], "weight_decay": 0.0},
     ]
     optimizer = torch.optim.AdamW(groups, lr=args.learning_rate)
-    scheduler = get_linear_schedule_with_warmup(optimizer, int(args.warmup_ratio * total), total)
+    # The prepared scheduler steps once per process on every optimizer step, hence the num_processes factor.
+    scheduler = get_scheduler(getattr(args, "lr_scheduler_type", "linear"), optimizer,
+                              num_warmup_steps=int(args.warmup_ratio * total) * accelerator.num_processes,
+                              num_training_steps=total * accelerator.num_processes)
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
 
     step, resume = 0, args.resume_from_checkpoint
     if resume:
-        resume = _latest_checkpoint(args.output_dir) if resume == "latest" else resume
+        resume = latest_checkpoint(args.output_dir) if resume == "latest" else resume
         step = int(re.search(r"step_(\d+)$", os.path.normpath(resume)).group(1))
 
     history, t0 = [], time.time()
     bar = tqdm(total=total, initial=step, desc="train", disable=not accelerator.is_local_main_process)
+    losses, stats = [], []
     model.train()
     while step < total:
-        epoch, skip = divmod(step, steps_per_epoch)
+        epoch, done = divmod(step, steps_per_epoch)
         if hasattr(train_loader, "set_epoch"):
             train_loader.set_epoch(epoch)
+        skip = done * accumulation
         batches = iter(accelerator.skip_first_batches(train_loader, skip) if skip else train_loader)
         first = next(batches, None)
         if resume:
@@ -162,21 +178,30 @@ def train(args, accelerator, model, train_loader):
             accelerator.print(f"resumed from {resume} at step {step}")
             resume = None
         for batch in itertools.chain([first] if first is not None else [], batches):
-            outputs = model(**batch)
-            accelerator.backward(outputs.loss)
-            if args.max_grad_norm > 0:
-                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
+            with accelerator.accumulate(model):
+                outputs = model(**batch)
+                accelerator.backward(outputs.loss)
+                if accelerator.sync_gradients and args.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            losses.append(outputs.loss.detach())
+            if getattr(outputs, "fp_stats", None) is not None:
+                stats.append(outputs.fp_stats)
+            if not accelerator.sync_gradients:
+                continue
             step += 1
             bar.update(1)
             if step % args.logging_steps == 0 or step == total:
-                record = {"step": step, "loss": outputs.loss.item(), "lr": scheduler.get_last_lr()[0],
-                          **iteration_summary(getattr(outputs, "fp_stats", None)), "seconds": time.time() - t0}
+                # Mean loss over the micro-batches (and processes) of the last optimizer step.
+                loss = accelerator.gather(torch.stack(losses)).float().mean().item()
+                record = {"step": step, "loss": loss, "lr": scheduler.get_last_lr()[0],
+                          **iteration_summary(FPSAStats.merge(stats) if stats else None), "seconds": time.time() - t0}
                 history.append(record)
-                bar.set_postfix(loss=f"{record['loss']:.3f}")
+                bar.set_postfix(loss=f"{loss:.3f}")
                 accelerator.print(" ".join(f"{k} {v:.4g}" for k, v in record.items()))
+            losses, stats = [], []
             if (args.checkpointing_steps > 0 and step % args.checkpointing_steps == 0) or step == total:
                 accelerator.save_state(os.path.join(args.output_dir, f"step_{step}"))
             if step >= total:

@@ -31,7 +31,6 @@ installed), the tokenizer, the adapter alone in ``output_dir/adapter`` (``PeftMo
 """
 
 import json
-import math
 import os
 import random
 import re
@@ -40,21 +39,18 @@ from dataclasses import asdict, dataclass, field
 from typing import List, Optional
 
 import torch
-from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, gather_object, set_seed
+from accelerate.utils import gather_object
 from datasets import Dataset, load_dataset
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 from torch import nn
 from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
 from transformers import (
     AutoTokenizer,
     DataCollatorForSeq2Seq,
     HfArgumentParser,
     PretrainedConfig,
     SchedulerType,
-    get_scheduler,
 )
 
 from hf_fixedpoint import fpsa_training
@@ -308,89 +304,14 @@ def evaluate_caps(model, tokenizer, eval_set, args, accelerator, caps, label) ->
     return results
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Training loop
-
-
-def train(args, accelerator, model, train_loader):
-    """AdamW + warm-up/cosine schedule with gradient accumulation, clipping, FPSA statistics, checkpoints, resume.
-
-    Returns ``(unwrapped PEFT model, history)``.
-    """
-    steps_per_epoch = max(1, math.ceil(len(train_loader) / accelerator.num_processes
-                                       / args.gradient_accumulation_steps))
-    total = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
-                                  weight_decay=args.weight_decay)
-    # The prepared scheduler steps once per process on every optimizer step, hence the num_processes factor.
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer,
-                              num_warmup_steps=int(args.warmup_ratio * total) * accelerator.num_processes,
-                              num_training_steps=total * accelerator.num_processes)
-    model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
-    checkpoint_lora_only(accelerator)
-
-    step, resume = 0, args.resume_from_checkpoint
-    if resume:
-        # Explicit step_<n> folders (no automatic checkpoint naming, whose counter load_state does not restore).
-        resume = fpsa_training._latest_checkpoint(args.output_dir) if resume == "latest" else resume
-        step = int(re.search(r"step_(\d+)$", os.path.normpath(resume)).group(1))
-    history, t0 = [], time.time()
-    bar = tqdm(total=total, initial=step, desc="train", disable=not accelerator.is_local_main_process)
-    losses, stats = [], []
-    model.train()
-    while step < total:
-        epoch, done = divmod(step, steps_per_epoch)
-        train_loader.set_epoch(epoch)
-        skip = done * args.gradient_accumulation_steps
-        batches = iter(accelerator.skip_first_batches(train_loader, skip) if skip else train_loader)
-        if resume:
-            # Restored after the data iterator has started: starting it draws from the global RNG, as it did in the
-            # interrupted run before that checkpoint was written.
-            accelerator.load_state(resume)
-            accelerator.print(f"resumed from {resume} at step {step}")
-            resume = None
-        for batch in batches:
-            with accelerator.accumulate(model):
-                outputs = model(**batch)
-                accelerator.backward(outputs.loss)
-                if accelerator.sync_gradients and args.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
-            losses.append(outputs.loss.detach())
-            stats.append(outputs.fp_stats)
-            if not accelerator.sync_gradients:
-                continue
-            step += 1
-            bar.update(1)
-            if step % args.logging_steps == 0 or step == total:
-                loss = accelerator.gather(torch.stack(losses)).float().mean().item()
-                record = {"step": step, "loss": loss, "lr": scheduler.get_last_lr()[0],
-                          **fpsa_training.iteration_summary(FPSAStats.merge(stats)), "seconds": time.time() - t0}
-                history.append(record)
-                bar.set_postfix(loss=f"{loss:.3f}", iters=f"{record.get('fpsa_iter_median', 1):.0f}")
-                accelerator.print(" ".join(f"{k} {v:.4g}" for k, v in record.items()))
-            losses, stats = [], []
-            if (args.checkpointing_steps > 0 and step % args.checkpointing_steps == 0) or step == total:
-                accelerator.save_state(os.path.join(args.output_dir, f"step_{step}"))
-            if step >= total:
-                break
-    bar.close()
-    return accelerator.unwrap_model(model), history
-
-
 def main(argv=None):
     (args,) = HfArgumentParser(SelfLoraArgs).parse_args_into_dataclasses(args=argv)
-    for name in ("fp_max_iter", "eval_fp_max_iter"):
-        for value in [v for v in ([getattr(args, name)] if name == "fp_max_iter" else getattr(args, name))
-                      if v is not None]:
-            check_number(value, name, low=1, integer=True)
+    if args.fp_max_iter is not None:
+        check_number(args.fp_max_iter, "fp_max_iter", low=1, integer=True)
+    for cap in args.eval_fp_max_iter:
+        check_number(cap, "eval_fp_max_iter", low=1, integer=True)
     check_number(args.gradient_accumulation_steps, "gradient_accumulation_steps", low=1, integer=True)
-    accelerator = Accelerator(mixed_precision="bf16" if args.bf16 else "no", cpu=not torch.cuda.is_available(),
-                              gradient_accumulation_steps=args.gradient_accumulation_steps,
-                              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
-    set_seed(args.seed)
+    accelerator = fpsa_training.make_accelerator(args)
     accelerator.print(f"args: {json.dumps(asdict(args), default=str)}")
     if args.model_name_or_path is None:
         from hf_fixedpoint.resources import smollm2_path
@@ -426,7 +347,8 @@ def main(argv=None):
     accelerator.print(f"model: {model_class.__name__} from {args.model_name_or_path}, fp_max_iter "
                       f"{model.config.fp_max_iter}, fp_tol {model.config.fp_tol}; LoRA {trainable:,} trainable of "
                       f"{total:,} parameters")
-    model, history = train(args, accelerator, model, train_loader)
+    checkpoint_lora_only(accelerator)
+    model, history = fpsa_training.train(args, accelerator, model, train_loader)
 
     # Export: the adapter alone, then the merged model (self-contained remote code) + tokenizer; evaluate the merge.
     if accelerator.is_main_process:
