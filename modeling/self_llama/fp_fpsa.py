@@ -487,7 +487,7 @@ def fpsa_decoder_attention(
     if cache is not None:
         # Write the new values and placeholder keys now; the cache returns what the mask was built for (earlier
         # tokens, possibly cut to a sliding window, then the new ones).
-        keys, values = cache.update(torch.zeros_like(value).detach(), value.detach(), module.layer_idx)
+        keys, values = cache.update(torch.zeros_like(value), value.detach(), module.layer_idx)
         n_past = keys.shape[-2] - T
         if n_past > 0:
             past_key = keys[:, :, :n_past]

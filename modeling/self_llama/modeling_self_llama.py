@@ -72,6 +72,8 @@ class SelfLlamaAttention(LlamaAttention):
         if fpsa_fp_kwargs is None:
             fpsa_fp_kwargs = fixed_point_kwargs(config, self.training)
         attention_fn = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)
+        # Not attention-function arguments here: the solver drops finished rows, so per-row tensors must not ride
+        # along in the keyword arguments, and the cache is handled by fpsa_decoder_attention.
         kwargs.pop("position_ids", None)
         kwargs.pop("use_cache", None)
         output, result = fpsa_decoder_attention(

@@ -74,6 +74,8 @@ class SelfMistralAttention(MistralAttention):
         if fpsa_fp_kwargs is None:
             fpsa_fp_kwargs = fixed_point_kwargs(config, self.training)
         attention_fn = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)
+        # Not attention-function arguments here: the solver drops finished rows, so per-row tensors must not ride
+        # along in the keyword arguments, and the cache is handled by fpsa_decoder_attention.
         kwargs.pop("position_ids", None)
         kwargs.pop("use_cache", None)
         kwargs["sliding_window"] = getattr(config, "sliding_window", None)  # as MistralAttention does
