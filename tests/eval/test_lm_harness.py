@@ -17,13 +17,13 @@ pytest.importorskip("lm_eval")
 
 import torch  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from hf_fixedpoint.eval.lm_harness import FixedPointLM  # noqa: E402
 from hf_fixedpoint.eval.run_lm_eval import with_default_include_path  # noqa: E402
 from hf_fixedpoint.eval.runner import TASKS_DIR, evaluate_offline  # noqa: E402
 from hf_fixedpoint.modeling import DEQLMConfig, DEQLMForCausalLM  # noqa: E402
+from tests.helpers import train_bpe_tokenizer  # noqa: E402
 
 
 def _corpus():
@@ -34,15 +34,7 @@ def _corpus():
 
 
 def _tokenizer():
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(_corpus(), trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                   pad_token="<pad>", model_max_length=256)
+    return train_bpe_tokenizer(_corpus(), vocab_size=300)
 
 
 def _config(tok, config_class=DEQLMConfig):

@@ -21,7 +21,6 @@ pytest.importorskip("peft")
 from accelerate.state import AcceleratorState  # noqa: E402
 from peft import PeftModel  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
 from transformers import (  # noqa: E402
     BertConfig,
     BertForMaskedLM,
@@ -29,11 +28,11 @@ from transformers import (  # noqa: E402
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
-    PreTrainedTokenizerFast,
 )
 
 from hf_fixedpoint.modeling import SelfLlamaForCausalLM, SelfMistralForCausalLM  # noqa: E402
 from recipes import self_lora  # noqa: E402
+from tests.helpers import train_bpe_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -48,15 +47,7 @@ def run(argv):
 def tokenizer_for_problems():
     train, evaluation = self_lora.make_problems(300, 20)
     texts = [r["question"] + " " + r["answer"] for r in [*train, *evaluation]]
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                   pad_token="<pad>", model_max_length=256)
+    return train_bpe_tokenizer(texts, vocab_size=320)
 
 
 @pytest.fixture(scope="module")
