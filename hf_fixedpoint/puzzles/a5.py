@@ -46,27 +46,34 @@ def running_products(elements: np.ndarray) -> np.ndarray:
 
 @register_task("a5")
 def build_a5(split: str, *, seed: int = 0, num_samples: int = 10000, length: int = 32,
-             pad_to: Optional[int] = None):
+             min_length: Optional[int] = None, pad_to: Optional[int] = None):
     """``num_samples`` uniform random words of ``length`` A5 elements.
 
-    ``pad_to``: pad every row to this length (PAD inputs, -100 labels) so splits of different lengths share one
-    ``seq_len``. Extra column ``length`` (the difficulty measure).
+    ``min_length``: draw each word's length uniformly from ``[min_length, length]`` instead (the FPRM code's
+    ``strict_len=False``: short words teach the group table, long ones the iteration). ``pad_to``: pad every row to
+    this length (PAD inputs, -100 labels) so splits of different lengths share one ``seq_len``. Extra column
+    ``length`` (the difficulty measure).
     """
     check_number(num_samples, "num_samples", low=1, integer=True)
     check_number(length, "length", low=1, integer=True)
+    if min_length is not None:
+        check_number(min_length, "min_length", low=1, high=length, integer=True)
     seq_len = length if pad_to is None else pad_to
     check_number(seq_len, "pad_to", low=length, integer=True)
     rng = split_rng("a5", split, seed)
     elements = rng.integers(0, 60, size=(num_samples, length))
+    lengths = (np.full(num_samples, length, dtype=np.int64) if min_length is None
+               else rng.integers(min_length, length + 1, size=num_samples))
+    inside = np.arange(length)[None, :] < lengths[:, None]
     inputs = np.zeros((num_samples, seq_len), dtype=np.int32)
     labels = np.full((num_samples, seq_len), IGNORE_LABEL_ID, dtype=np.int32)
-    inputs[:, :length] = elements + 1
-    labels[:, :length] = running_products(elements) + 1
+    inputs[:, :length] = np.where(inside, elements + 1, 0)
+    labels[:, :length] = np.where(inside, running_products(elements) + 1, IGNORE_LABEL_ID)
     columns = {
         "inputs": inputs,
         "labels": labels,
         "puzzle_identifiers": np.zeros(num_samples, dtype=np.int64),
-        "length": np.full(num_samples, length, dtype=np.int64),
+        "length": lengths,
         "group": np.arange(num_samples, dtype=np.int64),
     }
     names = ("<pad>",) + tuple("".join(map(str, p)) for p in A5_ELEMENTS)

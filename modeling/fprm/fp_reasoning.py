@@ -4,9 +4,9 @@
 """Building blocks of the puzzle-reasoning families (TRM, Attractor-reasoning, URM, FPRM), written once.
 
 * layers: ``trunc_normal_``, parameter-free ``rms_norm``, ``CastedLinear`` (fp32 master weight, cast to the input
-  dtype), ``Attention`` (non-causal SDPA with RoPE), ``SwiGLU`` / ``ConvSwiGLU`` (URM), ``SequenceMLP`` (TRM's
-  ``mlp_t``), ``ShortConv`` (FPRM's depthwise 1-D or 2-D grid convolution) and ``ReasoningBlock`` (post- or pre-norm,
-  optional FPRM residual scaling ``h <- a * h + b * sublayer(norm(h))``);
+  dtype), ``Attention`` (SDPA with RoPE, bidirectional or causal), ``SwiGLU`` / ``ConvSwiGLU`` (URM),
+  ``SequenceMLP`` (TRM's ``mlp_t``), ``ShortConv`` (FPRM's depthwise 1-D or 2-D grid convolution) and
+  ``ReasoningBlock`` (post- or pre-norm, optional FPRM residual scaling ``h <- a * h + b * sublayer(norm(h))``);
 * inputs: ``SparsePuzzleEmbedding`` (a table kept as a buffer and trained with sign-SGD, as in the research code) and
   ``PuzzleInput`` (token embedding, puzzle prefix of ``puzzle_emb_len`` positions, ``sqrt(D)`` scale);
 * outputs: ``PuzzleHeads`` (LM head over the non-prefix positions and the Q-halt head read at position 0);
@@ -122,14 +122,16 @@ class SequenceMLP(nn.Module):
 
 
 class Attention(nn.Module):
-    """Non-causal multi-head attention (fused QKV, no biases) through ``F.scaled_dot_product_attention``.
+    """Multi-head attention (fused QKV, no biases) through ``F.scaled_dot_product_attention``; bidirectional, or
+    ``causal`` (position ``t`` attends to ``<= t``: the state-tracking set-up, where the answer at ``t`` depends on the
+    first ``t`` inputs only).
 
     ``rope`` is ``(cos, sin, apply_rotary)`` with ``apply_rotary(q, k, cos, sin)`` (transformers' helper) or None.
     """
 
-    def __init__(self, hidden_size: int, num_heads: int):
+    def __init__(self, hidden_size: int, num_heads: int, causal: bool = False):
         super().__init__()
-        self.num_heads, self.head_dim = num_heads, hidden_size // num_heads
+        self.num_heads, self.head_dim, self.causal = num_heads, hidden_size // num_heads, causal
         self.qkv_proj = CastedLinear(hidden_size, 3 * hidden_size)
         self.o_proj = CastedLinear(hidden_size, hidden_size)
 
@@ -139,7 +141,7 @@ class Attention(nn.Module):
         if rope is not None:
             cos, sin, apply_rotary = rope
             q, k = apply_rotary(q, k, cos.to(q.dtype), sin.to(q.dtype), unsqueeze_dim=0)
-        out = F.scaled_dot_product_attention(q, k, v)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, D))
 
 
@@ -154,15 +156,19 @@ def rotary_tables(head_dim: int, max_positions: int, base: float = 10000.0):
 class ShortConv(nn.Module):
     """FPRM's short depthwise convolution over the grid part of the state (the puzzle prefix bypasses it).
 
-    ``kind="1d"``: kernel ``kernel_size`` over the flattened row-major sequence ("same" padding).
+    ``kind="1d"``: kernel ``kernel_size`` over the flattened row-major sequence ("same" padding, or with ``causal``
+    left padding so position ``t`` reads ``t - kernel_size + 1 .. t``, as in FPRM's state-tracking model).
     ``kind="2d"``: ``kernel_size x kernel_size`` over the ``grid_shape`` grid. No bias. Returns the convolution only;
     the caller adds it to the state.
     """
 
-    def __init__(self, hidden_size: int, kind: str, kernel_size: int, prefix_len: int, grid_shape=None):
+    def __init__(self, hidden_size: int, kind: str, kernel_size: int, prefix_len: int, grid_shape=None,
+                 causal: bool = False):
         super().__init__()
         check_choice(kind, "conv", CONV_KINDS[1:])
-        self.kind, self.prefix_len = kind, prefix_len
+        if causal and kind == "2d":
+            raise ValueError("conv='2d' cannot be causal (a grid has no left-to-right order); use conv='1d'.")
+        self.kind, self.prefix_len, self.causal = kind, prefix_len, causal
         self.grid_shape = tuple(grid_shape) if grid_shape is not None else None
         conv = nn.Conv1d if kind == "1d" else nn.Conv2d
         self.conv = conv(hidden_size, hidden_size, kernel_size, padding="same", groups=hidden_size, bias=False)
@@ -171,7 +177,9 @@ class ShortConv(nn.Module):
         grid = h[:, self.prefix_len:]
         B, T, D = grid.shape
         w = self.conv.weight.to(h.dtype)
-        if self.kind == "1d":
+        if self.kind == "1d" and self.causal:
+            out = F.conv1d(F.pad(grid.transpose(1, 2), (w.shape[-1] - 1, 0)), w, groups=D).transpose(1, 2)
+        elif self.kind == "1d":
             out = F.conv1d(grid.transpose(1, 2), w, padding="same", groups=D).transpose(1, 2)
         else:
             rows, cols = self.grid_shape
@@ -279,11 +287,12 @@ class PuzzleInput(nn.Module):
 
 
 class PuzzleHeads(nn.Module):
-    """LM head over the non-prefix positions and the Q-halt head at position 0 (weight 0, bias -5, as in TRM)."""
+    """LM head over the non-prefix positions and the Q-halt head (weight 0, bias -5, as in TRM) at position 0, or at
+    the last position in a ``causal`` model (the only one that sees the whole puzzle)."""
 
-    def __init__(self, hidden_size: int, vocab_size: int, prefix_len: int):
+    def __init__(self, hidden_size: int, vocab_size: int, prefix_len: int, causal: bool = False):
         super().__init__()
-        self.prefix_len = prefix_len
+        self.prefix_len, self.q_position = prefix_len, -1 if causal else 0
         self.lm_head = CastedLinear(hidden_size, vocab_size)
         self.q_head = CastedLinear(hidden_size, 1, bias=True)
         with torch.no_grad():
@@ -291,7 +300,7 @@ class PuzzleHeads(nn.Module):
             self.q_head.bias.fill_(-5.0)
 
     def forward(self, h):
-        return self.lm_head(h[:, self.prefix_len:]), self.q_head(h[:, 0]).float()[:, 0]
+        return self.lm_head(h[:, self.prefix_len:]), self.q_head(h[:, self.q_position]).float()[:, 0]
 
 
 POS_ENCODINGS = ("rope", "none")
@@ -365,6 +374,12 @@ def check_puzzle_config(c) -> None:
     check_choice(c.pos_encodings, "pos_encodings", POS_ENCODINGS)
     check_choice(c.forward_dtype, "forward_dtype", tuple(FORWARD_DTYPES))
     check_choice(c.loss_type, "loss_type", LOSS_TYPES)
+    if not isinstance(c.causal, bool):
+        raise ValueError(f"causal must be True or False, got {c.causal!r}.")
+    if c.causal and getattr(c, "mlp_t", False):
+        raise ValueError("causal=True needs attention: mlp_t=True mixes every position through its sequence MLP.")
+    if c.causal and getattr(c, "conv", "none") == "2d":
+        raise ValueError("causal=True cannot use conv='2d' (a grid has no left-to-right order); use conv='1d'.")
     if c.grid_shape is not None:
         if (not isinstance(c.grid_shape, (list, tuple)) or len(c.grid_shape) != 2
                 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in c.grid_shape)):
@@ -372,13 +387,14 @@ def check_puzzle_config(c) -> None:
 
 
 def build_blocks(c, num_layers: int, norm: str, mlp: str = "swiglu", mlp_t: bool = False) -> nn.ModuleList:
-    """``num_layers`` ``ReasoningBlock``s: attention (or TRM's sequence MLP) + ``swiglu``/``conv_swiglu``."""
+    """``num_layers`` ``ReasoningBlock``s: attention (causal with ``c.causal``; or TRM's sequence MLP) +
+    ``swiglu``/``conv_swiglu``."""
     check_choice(mlp, "mlp", MLP_KINDS)
     inter = swiglu_width(c.hidden_size, c.expansion, c.mlp_multiple_of)
     blocks = []
     for _ in range(num_layers):
         mixer = (SequenceMLP(c.seq_len + c.puzzle_emb_len, c.expansion, c.mlp_multiple_of) if mlp_t
-                 else Attention(c.hidden_size, c.num_attention_heads))
+                 else Attention(c.hidden_size, c.num_attention_heads, c.causal))
         ffn = ConvSwiGLU(c.hidden_size, inter) if mlp == "conv_swiglu" else SwiGLU(c.hidden_size, inter)
         blocks.append(ReasoningBlock(mixer, ffn, norm, c.rms_norm_eps))
     return nn.ModuleList(blocks)

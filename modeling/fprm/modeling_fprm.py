@@ -83,7 +83,7 @@ class FPRMModel(FPRMPreTrainedModel):
             for module in self.layers.modules():
                 if isinstance(module, nn.Linear):
                     nn.utils.parametrizations.spectral_norm(module)
-        self.conv = (ShortConv(c.hidden_size, c.conv, c.conv_kernel, c.puzzle_emb_len, c.grid_shape)
+        self.conv = (ShortConv(c.hidden_size, c.conv, c.conv_kernel, c.puzzle_emb_len, c.grid_shape, c.causal)
                      if c.conv != "none" else None)
         logits = torch.tensor([c.alpha_1_init, c.alpha_2_init]).logit()[:, None].repeat(1, c.hidden_size)
         if c.residual_scale == "learned":
@@ -205,7 +205,7 @@ class FPRMForPuzzles(PuzzleSolverMixin, FPRMPreTrainedModel):
     def __init__(self, config: FPRMConfig):
         super().__init__(config)
         self.model = FPRMModel(config)
-        self.heads = PuzzleHeads(config.hidden_size, config.vocab_size, config.puzzle_emb_len)
+        self.heads = PuzzleHeads(config.hidden_size, config.vocab_size, config.puzzle_emb_len, config.causal)
         self.post_init()
 
     def forward(self, input_ids: torch.LongTensor, puzzle_identifiers: Optional[torch.LongTensor] = None,

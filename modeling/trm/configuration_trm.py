@@ -15,8 +15,9 @@ TRM_FP_DEFAULTS = {"fp_solver": "anderson", "fp_tol": 1e-3, "fp_max_iter": 8, "f
 class TRMConfig(PretrainedConfig):
     r"""
     Shared puzzle fields: see ``FPRMConfig`` (vocab_size, seq_len, hidden_size, num_attention_heads, expansion,
-    mlp_multiple_of, num_puzzle_identifiers, puzzle_emb_len, puzzle_emb_ndim, pos_encodings, rope_theta,
-    rms_norm_eps, forward_dtype, grid_shape, halt_max_steps, halt_exploration_prob, loss_type, q_loss_weight).
+    mlp_multiple_of, num_puzzle_identifiers, puzzle_emb_len, puzzle_emb_ndim, pos_encodings, causal,
+    rope_theta, rms_norm_eps, forward_dtype, grid_shape, halt_max_steps, halt_exploration_prob, loss_type,
+    q_loss_weight).
 
     TRM fields:
         num_layers: post-norm blocks of the one network that updates both latents (TRM's ``L_layers``, 2).
@@ -45,6 +46,7 @@ class TRMConfig(PretrainedConfig):
         puzzle_emb_len: int = 1,
         puzzle_emb_ndim: int = None,
         pos_encodings: str = "rope",
+        causal: bool = False,
         rope_theta: float = 10000.0,
         rms_norm_eps: float = 1e-5,
         forward_dtype: str = "float32",

@@ -146,7 +146,7 @@ class TRMForPuzzles(PuzzleSolverMixin, TRMPreTrainedModel):
     def __init__(self, config: TRMConfig):
         super().__init__(config)
         self.model = TRMModel(config)
-        self.heads = PuzzleHeads(config.hidden_size, config.vocab_size, config.puzzle_emb_len)
+        self.heads = PuzzleHeads(config.hidden_size, config.vocab_size, config.puzzle_emb_len, config.causal)
         self.post_init()
 
     def forward(self, input_ids: torch.LongTensor, puzzle_identifiers: Optional[torch.LongTensor] = None,

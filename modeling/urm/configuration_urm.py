@@ -39,6 +39,7 @@ class URMConfig(PretrainedConfig):
         puzzle_emb_len: int = 1,
         puzzle_emb_ndim: int = None,
         pos_encodings: str = "rope",
+        causal: bool = False,
         rope_theta: float = 10000.0,
         rms_norm_eps: float = 1e-5,
         forward_dtype: str = "float32",

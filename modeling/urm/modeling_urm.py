@@ -108,7 +108,7 @@ class URMForPuzzles(PuzzleSolverMixin, URMPreTrainedModel):
     def __init__(self, config: URMConfig):
         super().__init__(config)
         self.model = URMModel(config)
-        self.heads = PuzzleHeads(config.hidden_size, config.vocab_size, config.puzzle_emb_len)
+        self.heads = PuzzleHeads(config.hidden_size, config.vocab_size, config.puzzle_emb_len, config.causal)
         self.post_init()
 
     def forward(self, input_ids: torch.LongTensor, puzzle_identifiers: Optional[torch.LongTensor] = None,

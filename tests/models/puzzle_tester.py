@@ -114,6 +114,26 @@ class PuzzleModelTesterMixin(FixedPointModelTesterMixin):
         torch.testing.assert_close(table.weights, expected, rtol=0, atol=1e-6)
         assert table.local_weights is None
 
+    # Overrides that make the recurrence run a fixed number of plain iterations, so that with causal attention a
+    # prefix's outputs cannot depend on later tokens through a stopping rule or a solver's whole-sample mixing.
+    causal_overrides = {}
+
+    def test_causal_prefix_ignores_later_tokens_float64(self):
+        model = self.build_puzzle(causal=True, forward_dtype="float64", **self.causal_overrides).double().eval()
+        with torch.no_grad():
+            model.heads.q_head.weight.normal_()
+        ids = self.prepare_inputs(model.config)["input_ids"]
+        changed = ids.clone()
+        changed[:, 5:] = (ids[:, 5:] + 1) % model.config.vocab_size
+        with torch.no_grad():
+            a, b = model(ids), model(changed)
+        torch.testing.assert_close(a.logits[:, :5], b.logits[:, :5], rtol=0, atol=0)
+        assert (a.logits[:, 5:] - b.logits[:, 5:]).abs().amax() > 1e-6
+        # The Q-halt head reads the last position, the only one that sees the whole puzzle.
+        assert (a.q_halt_logits - b.q_halt_logits).abs().amin() > 0
+        with pytest.raises(ValueError, match="causal must be True or False"):
+            self.get_config(causal="yes")
+
     def test_bad_inputs(self):
         model = self.build_puzzle(num_puzzle_identifiers=2).eval()
         batch = self.puzzle_batch(model.config)

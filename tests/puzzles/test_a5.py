@@ -47,3 +47,19 @@ def test_padding_reproducibility_and_errors():
         build_dataset("a5", "train", length=8, pad_to=4)
     with pytest.raises(ValueError, match="length"):
         build_dataset("a5", "train", length=0)
+
+
+def test_mixed_lengths():
+    ds, meta = build_dataset("a5", "train", num_samples=200, length=6, min_length=2, pad_to=8)
+    inputs, labels, lengths = np.array(ds["inputs"]), np.array(ds["labels"]), np.array(ds["length"])
+    assert meta.seq_len == 8 and lengths.min() == 2 and lengths.max() == 6
+    for row, lab, n in zip(inputs, labels, lengths):
+        assert (row[:n] > 0).all() and (row[n:] == 0).all() and (lab[n:] == -100).all()
+        state = A5_ELEMENTS[0]
+        for token, label in zip(row[:n], lab[:n]):
+            state = compose(state, A5_ELEMENTS[token - 1])
+            assert A5_ELEMENTS[label - 1] == state
+    fixed, _ = build_dataset("a5", "train", num_samples=200, length=6)
+    assert (np.array(fixed["inputs"])[lengths == 6] == inputs[lengths == 6, :6]).all()  # same words, cut short
+    with pytest.raises(ValueError, match=r"min_length=7 is out of range"):
+        build_dataset("a5", "train", length=6, min_length=7)

@@ -15,6 +15,9 @@ class TestFPRM(PuzzleModelTesterMixin):
                      "mlp_multiple_of": 8, "num_layers": 2, "num_puzzle_identifiers": 3, "fp_max_iter": 30,
                      "bptt_window": 3, "init_std": 1.0, "fp_eval_max_iter": None}
 
+    causal_overrides = {"fp_solver": "picard", "fp_tol": 1e-30, "fp_max_iter": 6, "conv": "1d", "conv_kernel": 4,
+                        "puzzle_emb_len": 0, "pos_encodings": "none"}
+
     # Random tiny FPRM maps are not Picard contractions to 1e-12 (FPRM relies on its damped solver); the implicit
     # gradient is checked exactly on the linear case below instead.
     test_implicit_gradient_matches_unrolled_float64 = None
@@ -137,5 +140,7 @@ class TestFPRM(PuzzleModelTesterMixin):
             self.get_config(conv="2d", grid_shape=[2, 2])
         with pytest.raises(ValueError, match="conv='3d' is not allowed"):
             self.get_config(conv="3d")
+        with pytest.raises(ValueError, match="causal=True cannot use conv='2d'"):
+            self.get_config(causal=True, conv="2d", grid_shape=[3, 3])
         with pytest.raises(ValueError, match="residual_scale"):
             self.get_config(residual_scale="input-dependent")

@@ -17,6 +17,8 @@ class TestAttractorReasoning(PuzzleModelTesterMixin):
                      "mlp_multiple_of": 8, "num_layers": 1, "num_puzzle_identifiers": 3, "H_cycles": 2,
                      "L_cycles": 2, "deq": True, "fp_max_iter": 30, "fp_min_iter": 0}
 
+    causal_overrides = {"fp_solver": "picard", "fp_tol": 1e-30, "fp_min_iter": 0, "fp_max_iter": 4}
+
     # TRM's post-norm map at random init is not a Picard contraction to 1e-12; the phantom gradient that
     # Attractor-reasoning trains with is checked exactly below instead.
     test_implicit_gradient_matches_unrolled_float64 = None
@@ -79,6 +81,8 @@ class TestAttractorReasoning(PuzzleModelTesterMixin):
         out = model(**self.puzzle_batch(model.config))
         out.loss.backward()
         assert type(model.model.layers[0].mixer).__name__ == "SequenceMLP"
+        with pytest.raises(ValueError, match="causal=True needs attention: mlp_t=True"):
+            self.get_config(mlp_t=True, causal=True)
 
     def test_bad_trm_values(self):
         with pytest.raises(ValueError, match="H_cycles"):
