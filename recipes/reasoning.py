@@ -205,7 +205,7 @@ def main(argv=None):
                       f"{[(name, len(ds)) for name, ds, _ in test_sets]}")
 
     # 2. Model, optimizers, schedule, EMA.
-    model = build_model(args, meta)
+    model = build_model(args, meta).train()  # from_pretrained (--init_from) returns a model in eval mode
     accelerator.print(f"model: {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} parameters)")
     optimizer = AdamATan2(model.parameters(), lr=args.lr, betas=(args.beta1, args.beta2),
                           weight_decay=args.weight_decay)

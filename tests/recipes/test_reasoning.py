@@ -91,6 +91,27 @@ def test_resume_continues_from_the_saved_step(tmp_path, capsys):
     assert steps == [2, 4]
 
 
+def test_init_from_trains_in_training_mode(tmp_path, monkeypatch):
+    # from_pretrained returns an eval-mode model; FPRM must still train with deep-supervision windows (not full
+    # evaluation solves), and a checkpoint trained at length 4 continues on length-8 words.
+    from hf_fixedpoint.modeling import FPRMModel
+    from recipes.reasoning import main
+
+    first = tmp_path / "short"
+    main(["--model", "fprm", *TINY, "--model_kwargs", SMALL["fprm"], "--num_layers", "1", "--max_steps", "1",
+          "--eval_every", "1", "--output_dir", str(first)])
+    windows = []
+    original = FPRMModel._window
+    monkeypatch.setattr(FPRMModel, "_window", lambda self, *a: windows.append(self.training) or original(self, *a))
+    args = [*TINY, "--task_kwargs", '{"num_samples": 16, "length": 8, "min_length": 2}']
+    main(["--model", "fprm", *args, "--init_from", str(first), "--max_steps", "2", "--eval_every", "2",
+          "--output_dir", str(tmp_path / "long")])
+    assert windows == [True, True]
+    with pytest.raises(ValueError, match="the dataset has vocab_size=11 but the checkpoint"):
+        main(["--model", "fprm", "--task", "sudoku", "--task_kwargs", '{"num_puzzles": 2}', "--test_task_kwargs",
+              '{"num_puzzles": 2}', "--init_from", str(first), "--output_dir", str(tmp_path / "sudoku")])
+
+
 def test_bad_arguments(tmp_path):
     from recipes.reasoning import main
 
