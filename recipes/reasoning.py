@@ -74,6 +74,8 @@ class Args:
                                   metadata={"help": "JSON object or list of objects: one test set each"})
     output_dir: str = field(default="runs/reasoning", metadata={"help": "checkpoint, state and metrics go here"})
     max_steps: int = field(default=300, metadata={"help": "optimizer steps (= supervision steps)"})
+    max_train_seconds: Optional[float] = field(default=None, metadata={
+        "help": "also stop after this many seconds of training (evaluations excluded): matched-time comparisons"})
     batch_size: int = field(default=64, metadata={"help": "puzzle slots per process"})
     eval_batch_size: int = field(default=256, metadata={"help": "puzzles per evaluation batch"})
     lr: float = field(default=1e-3, metadata={"help": "AdamATan2 learning rate"})
@@ -243,10 +245,11 @@ def main(argv=None):
                      seed=args.seed + 1000 * accelerator.process_index + start_step)
     carry = raw.initial_carry(args.batch_size, accelerator.device)
     halted_exact, halted_n = 0.0, 0
-    t0 = time.time()
+    t0, train_seconds = time.time(), 0.0
     bar = tqdm(range(start_step + 1, args.max_steps + 1), disable=not accelerator.is_local_main_process,
                desc=f"{args.model}/{args.task}", initial=start_step, total=args.max_steps)
     for step in bar:
+        t_step = time.time()
         b = next(stream)
         out = model(b["inputs"], b["puzzle_identifiers"], b["labels"], carry=carry)
         carry = out.carry
@@ -271,9 +274,15 @@ def main(argv=None):
         halted_exact += float(out.metrics["exact"][done].float().sum())
         halted_n += int(done.sum())
         bar.set_postfix(loss=f"{out.loss.item():.3f}", exact=f"{halted_exact / max(halted_n, 1):.3f}")
-        if step % args.eval_every == 0 or step == args.max_steps:
+        train_seconds += time.time() - t_step
+        out_of_time = args.max_train_seconds is not None and train_seconds >= args.max_train_seconds
+        if args.max_train_seconds is not None and accelerator.num_processes > 1:  # every process stops together
+            out_of_time = bool(accelerator.reduce(torch.tensor(float(out_of_time), device=accelerator.device),
+                                                  "max") > 0)
+        if step % args.eval_every == 0 or step == args.max_steps or out_of_time:
             accelerator.print(f"step {step} loss {out.loss.item():.4f} train exact (halted) "
-                              f"{halted_exact / max(halted_n, 1):.3f} ({time.time() - t0:.0f}s)")
+                              f"{halted_exact / max(halted_n, 1):.3f} ({train_seconds:.0f}s training, "
+                              f"{time.time() - t0:.0f}s in all)")
             halted_exact, halted_n = 0.0, 0
             run_evals(step)
             state_dir = os.path.join(args.output_dir, "state")
@@ -281,6 +290,9 @@ def main(argv=None):
             if accelerator.is_main_process:
                 with open(os.path.join(state_dir, "progress.json"), "w") as fh:
                     json.dump({"step": step, "history": history}, fh)
+        if out_of_time:
+            accelerator.print(f"stopping at step {step}: {train_seconds:.0f}s of training (--max_train_seconds)")
+            break
     if start_step >= args.max_steps:
         run_evals(start_step)
 
@@ -288,8 +300,8 @@ def main(argv=None):
     if accelerator.is_main_process:
         final = eval_model()
         final.save_pretrained(args.output_dir)
-        metrics = {"args": asdict(args), "train_seconds": time.time() - t0, "history": history,
-                   "final": history[-1] if history else None}
+        metrics = {"args": asdict(args), "train_seconds": train_seconds, "wall_seconds": time.time() - t0,
+                   "history": history, "final": history[-1] if history else None}
         with open(os.path.join(args.output_dir, "metrics.json"), "w") as fh:
             json.dump(metrics, fh, indent=1)
         # One curve per test set: iterations used (and exact accuracy) against difficulty.

@@ -112,6 +112,17 @@ def test_init_from_trains_in_training_mode(tmp_path, monkeypatch):
               '{"num_puzzles": 2}', "--init_from", str(first), "--output_dir", str(tmp_path / "sudoku")])
 
 
+def test_max_train_seconds_stops_with_a_final_evaluation(tmp_path, capsys):
+    from recipes.reasoning import main
+
+    out = tmp_path / "timed"
+    main(["--model", "urm", *TINY, "--model_kwargs", SMALL["urm"], "--num_layers", "1", "--max_steps", "1000",
+          "--eval_every", "1000", "--max_train_seconds", "0", "--output_dir", str(out)])
+    assert "stopping at step 1: " in capsys.readouterr().out
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert [h["step"] for h in metrics["history"]] == [1] and 0 < metrics["train_seconds"] <= metrics["wall_seconds"]
+
+
 def test_bad_arguments(tmp_path):
     from recipes.reasoning import main
 
