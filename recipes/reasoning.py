@@ -33,7 +33,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
-from transformers import HfArgumentParser, get_constant_schedule_with_warmup
+from transformers import HfArgumentParser, get_scheduler
 
 from hf_fixedpoint.core.fp_registry import check_choice
 from hf_fixedpoint.modeling import FPRMConfig, FPRMForPuzzles, TRMConfig, TRMForPuzzles, URMConfig, URMForPuzzles
@@ -84,7 +84,10 @@ class Args:
     beta2: float = field(default=0.95)
     puzzle_emb_lr: float = field(default=1e-2, metadata={"help": "sign-SGD learning rate of the puzzle table"})
     puzzle_emb_weight_decay: float = field(default=0.1)
-    warmup_steps: int = field(default=50, metadata={"help": "linear warmup, then constant"})
+    warmup_steps: int = field(default=50, metadata={"help": "linear warmup steps"})
+    lr_scheduler_type: str = field(default="constant_with_warmup", metadata={
+        "help": "transformers scheduler after the warmup: constant_with_warmup (the research code), cosine, linear, "
+                "... (decays over --max_steps)"})
     ema_rate: float = field(default=0.999, metadata={"help": "EMA decay of the parameters; 0 disables the EMA"})
     ema_warmup: int = field(default=10, metadata={"help": "EMA decay after n updates: min(ema_rate, (1 + n) / "
                                                           "(ema_warmup + n)); 0: the plain EMA"})
@@ -211,7 +214,8 @@ def main(argv=None):
     accelerator.print(f"model: {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} parameters)")
     optimizer = AdamATan2(model.parameters(), lr=args.lr, betas=(args.beta1, args.beta2),
                           weight_decay=args.weight_decay)
-    scheduler = get_constant_schedule_with_warmup(optimizer, args.warmup_steps)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps,
+                              num_training_steps=args.max_steps)
     ema = ema_model(model, args.ema_rate, args.ema_warmup).to(accelerator.device) if args.ema_rate > 0 else None
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     if ema is not None:

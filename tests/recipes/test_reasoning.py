@@ -132,5 +132,7 @@ def test_bad_arguments(tmp_path):
         main(["--task", "chess", "--output_dir", str(tmp_path / "y")])
     with pytest.raises(ValueError, match="--model_kwargs is not valid JSON"):
         main(["--model_kwargs", "{bad", *TINY, "--output_dir", str(tmp_path / "z")])
+    with pytest.raises(ValueError, match="cosin is not a valid SchedulerType, please select one of"):
+        main(["--lr_scheduler_type", "cosin", *TINY, "--output_dir", str(tmp_path / "s")])
     with pytest.raises(ValueError, match="max_stpes"):
         main(["--max_stpes", "2"])
