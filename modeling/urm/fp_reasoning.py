@@ -9,7 +9,8 @@
   ``ReasoningBlock`` (post- or pre-norm, optional FPRM residual scaling ``h <- a * h + b * sublayer(norm(h))``);
 * inputs: ``SparsePuzzleEmbedding`` (a table kept as a buffer and trained with sign-SGD, as in the research code) and
   ``PuzzleInput`` (token embedding, puzzle prefix of ``puzzle_emb_len`` positions, ``sqrt(D)`` scale);
-* outputs: ``PuzzleHeads`` (LM head over the non-prefix positions and the Q-halt head read at position 0);
+* outputs: ``PuzzleHeads`` (LM head over the non-prefix positions and the Q-halt head read at position 0, or at the
+  last position of a causal model);
 * the ACT outer loop with deep-supervision carry: ``new_carry``, ``reset_carry``, ``act_halt``;
 * losses: ``stablemax_cross_entropy``, ``softmax_cross_entropy`` and ``puzzle_loss`` (ACT loss head).
 
@@ -165,9 +166,7 @@ class ShortConv(nn.Module):
     def __init__(self, hidden_size: int, kind: str, kernel_size: int, prefix_len: int, grid_shape=None,
                  causal: bool = False):
         super().__init__()
-        check_choice(kind, "conv", CONV_KINDS[1:])
-        if causal and kind == "2d":
-            raise ValueError("conv='2d' cannot be causal (a grid has no left-to-right order); use conv='1d'.")
+        check_choice(kind, "conv", CONV_KINDS[1:])  # causal with "2d" is rejected by check_puzzle_config
         self.kind, self.prefix_len, self.causal = kind, prefix_len, causal
         self.grid_shape = tuple(grid_shape) if grid_shape is not None else None
         conv = nn.Conv1d if kind == "1d" else nn.Conv2d
