@@ -10,8 +10,9 @@ RESIDUAL_SCALES = ("learned", "fixed")
 INITS = ("noise", "fixed")
 WINDOW_SOLVERS = ("fpopt", "picard")
 
-# FPRM's solver: damped iteration with patience-based step decay on the relative l-inf residual, threshold 0.1.
-FPRM_FP_DEFAULTS = {"fp_solver": "fpopt", "fp_norm": "linf", "fp_tol": 0.1, "fp_max_iter": 48,
+# FPRM's solver: damped iteration with patience-based step decay on the per-token relative l-inf residual (the
+# largest over tokens, as in the official code), threshold 0.1.
+FPRM_FP_DEFAULTS = {"fp_solver": "fpopt", "fp_norm": "token_linf", "fp_tol": 0.1, "fp_max_iter": 48,
                     "fp_eval_max_iter": 200, "fp_backward": "bptt", "fp_backward_steps": 6}
 
 
@@ -46,7 +47,7 @@ class FPRMConfig(PretrainedConfig):
             ``seed``.
         bptt_window: solver steps with gradient per supervision step (truncated BPTT window).
         eval_step_decay: the ``fpopt`` step-size decay at evaluation (0.99; training uses ``fp_solver_kwargs``).
-        fp_*: fixed-point settings; FPRM defaults ``fp_solver="fpopt", fp_norm="linf", fp_tol=0.1``,
+        fp_*: fixed-point settings; FPRM defaults ``fp_solver="fpopt", fp_norm="token_linf", fp_tol=0.1``,
             ``fp_max_iter`` (cap on solver steps per puzzle in training), ``fp_eval_max_iter`` (cap at evaluation),
             ``fp_stop_fraction`` (a training window stops once at most this fraction of the batch is unconverged).
     """

@@ -3,8 +3,9 @@ solver (``fpopt``: Picard steps whose per-sample step size decays after ``patien
 
 Blocks are pre-norm with residual scaling: every sublayer is ``h <- alpha_1 * h + beta_1 * Sublayer(RMSNorm(h))``,
 with the betas tied to the alphas so that the map is a convex mix of ``y`` and its update (``beta_2 = 1 -
-alpha_2 alpha_1^(2L)``). Iterations per sample are adaptive: a puzzle stops when its relative l-inf residual falls
-below ``fp_tol``, when its step size decays below ``min_step`` or at the iteration cap.
+alpha_2 alpha_1^(2L)``). Iterations per sample are adaptive: a puzzle stops when its residual (default: the largest
+per-token relative l-inf residual, ``fp_norm="token_linf"``) falls below ``fp_tol``, when its step size decays
+below ``min_step`` or at the iteration cap.
 
 Two ways to run it:
 * one call without ``state``: a full solve with ``fixed_point`` (any solver and backward mode), used at evaluation;
@@ -157,7 +158,7 @@ class FPRMModel(FPRMPreTrainedModel):
             fy = self.step_map(y, x)
             g = (fy - y).reshape(B, -1)
             res = torch.where(done, res, _residual(g.detach(), fy.detach().reshape(B, -1), kw["stop_mode"],
-                                                   kw["norm"]).float())
+                                                   kw["norm"], y.shape[-1]).float())
             if not torch.isfinite(res).all():
                 raise FloatingPointError("FPRM window produced NaN/Inf residuals; lower the learning rate.")
             if hasattr(algo, "observe"):

@@ -21,7 +21,7 @@ FP_DEFAULTS = {
     "fp_solver_kwargs": None,  # e.g. {"m": 5} (Anderson), {"damping": 0.8} (Picard), {"memory": 20} (Broyden)
     "fp_tol": 1e-4,  # tolerance on the residual
     "fp_stop_mode": "rel",  # rel | abs
-    "fp_norm": "l2",  # l2 | linf
+    "fp_norm": "l2",  # l2 | linf | token_linf (largest per-token relative l-inf residual)
     "fp_max_iter": 30,  # cap on f-evaluations in training
     "fp_eval_max_iter": None,  # cap when the model is in eval() mode (None: fp_max_iter)
     "fp_min_iter": 0,

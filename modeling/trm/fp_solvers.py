@@ -27,7 +27,7 @@ from .fp_stats import FixedPointStats, NonFiniteError
 
 SOLVERS = Registry("solver")
 STOP_MODES = ("rel", "abs")
-NORMS = ("l2", "linf")
+NORMS = ("l2", "linf", "token_linf")
 RETURN_MODES = ("best", "last")
 
 
@@ -73,8 +73,8 @@ class FPOpt(_Solver):
     """FPRM's damped fixed-point optimizer: Picard with a per-entry step size that decays when progress stalls.
 
     After ``patience`` steps without a new lowest residual the entry's step size is multiplied by ``decay``; an entry
-    whose step size falls below ``min_step`` is halted (reported as not converged). Use with ``norm="linf"`` and
-    ``stop_mode="rel"`` for FPRM's relative l-infinity residual.
+    whose step size falls below ``min_step`` is halted (reported as not converged). Use with ``norm="token_linf"`` and
+    ``stop_mode="rel"`` for FPRM's per-token relative l-infinity residual.
 
     Args:
         step_size: initial step size in (0, 1].
@@ -263,10 +263,18 @@ def check_solve_args(*, solver, tol, stop_mode, norm, max_iter, min_iter, batch_
     check_choice(return_mode, prefix + "return_mode", RETURN_MODES)
 
 
-def _residual(gz, fz, stop_mode, norm):
+def _residual(gz, fz, stop_mode, norm, row_size=1):
+    """Per-entry residual of ``gz = f(z) - z`` (shape ``(entries, d)``). ``token_linf`` views each entry as rows of
+    ``row_size`` (the tokens of a ``(..., T, D)`` state) and takes the largest per-row relative l-infinity residual:
+    FPRM's ``max_t ||g_t||_inf / ||f_t||_inf``, where a token that changes a lot relative to its own size counts
+    even if other tokens are larger (``linf`` divides by the largest entry of the whole state instead)."""
     # At least float32: in float16 the squares of small entries underflow and 1e-9 rounds to 0, so a tiny row's
     # relative residual would be 0 / 0 = NaN (and be reported as a non-finite iterate).
     acc = torch.promote_types(gz.dtype, torch.float32)
+    if norm == "token_linf" and stop_mode == "rel":
+        rows = (gz.shape[0], -1, row_size)
+        per_row = gz.reshape(rows).abs().amax(-1).to(acc) / (fz.reshape(rows).abs().amax(-1).to(acc) + 1e-9)
+        return per_row.amax(-1)
     if norm == "l2":
         r = torch.linalg.vector_norm(gz, dim=1, dtype=acc)
         return r / (torch.linalg.vector_norm(fz, dim=1, dtype=acc) + 1e-9) if stop_mode == "rel" else r
@@ -302,7 +310,9 @@ def solve(
         solver: a name in ``SOLVERS`` (``picard``, ``fpopt``, ``anderson``, ``broyden``).
         tol: tolerance on the residual (> 0).
         stop_mode: ``rel`` (``||f(z) - z|| / ||f(z)||``) or ``abs`` (``||f(z) - z||``).
-        norm: ``l2`` or ``linf``, taken over each entry.
+        norm: ``l2`` or ``linf``, taken over each entry, or ``token_linf``: the largest relative l-inf residual of
+            the entry's rows along the last dim of ``z0`` (FPRM's per-token residual; with ``stop_mode="abs"`` it
+            equals ``linf``).
         max_iter: cap on evaluations of ``f`` (>= 1).
         min_iter: no entry is declared converged before this many evaluations.
         batch_dims: number of leading dims that index entries (convergence granularity).
@@ -336,6 +346,7 @@ def solve(
                                                      stop_mode)
     gps = G // B  # entries per sample
     d = z0.numel() // G
+    row_size = shape[-1] if len(shape) > batch_dims else 1  # token_linf: the rows of an entry
     track_best = return_mode == "best"
     observe = getattr(algo, "observe", None)
 
@@ -358,7 +369,7 @@ def solve(
                                  "a fixed-point map must preserve the shape of its input.")
             fz = fz.reshape(z.shape)
             gz = fz - z
-            res = _residual(gz, fz, stop_mode, norm)
+            res = _residual(gz, fz, stop_mode, norm, row_size)
             if observe is not None:
                 observe(res)
             if trace is not None:

@@ -205,3 +205,34 @@ def test_half_precision_residual_of_tiny_rows_is_finite(dtype):
     z, stats = solve(lambda z: 0.5 * z + 5e-5, z0, solver="picard", tol=1e-2, max_iter=20)
     assert stats.residual.dtype == torch.float32 and torch.isfinite(stats.residual).all()
     assert stats.converged.all() and z.dtype == dtype
+
+
+def test_token_linf_residual_is_the_largest_per_token_relative_residual():
+    # One sample of 3 tokens x 2 features; f(z) = z + g with a large token 0 and a small token 2 that moves a lot.
+    z0 = torch.tensor([[[100.0, 0.0], [1.0, 1.0], [0.1, 0.0]]], dtype=torch.float64)
+    g = torch.tensor([[[1.0, 0.0], [0.0, 0.5], [0.2, 0.0]]], dtype=torch.float64)
+    f = lambda z: z0 + g  # noqa: E731 -- a constant map: the first residual is exactly g relative to z0 + g
+    kwargs = dict(solver="picard", max_iter=1, tol=1e-12)
+    _, tok = solve(f, z0, norm="token_linf", **kwargs)
+    _, glob = solve(f, z0, norm="linf", **kwargs)
+    # per token: 1 / 101, 0.5 / 1.5, 0.2 / 0.3 -> the max is 2/3; the global linf divides 1.0 by 101.
+    assert tok.residual.item() == pytest.approx(0.2 / 0.3, rel=1e-8)  # the denominator carries +1e-9
+    assert glob.residual.item() == pytest.approx(1.0 / 101.0, rel=1e-8)
+    # abs mode: the largest entry of g either way.
+    _, tok_abs = solve(f, z0, norm="token_linf", stop_mode="abs", **kwargs)
+    assert tok_abs.residual.item() == pytest.approx(1.0, rel=1e-12)
+    # per-token entries (batch_dims=2): each token is one row, so token_linf equals linf.
+    _, per_tok = solve(f, z0, norm="token_linf", batch_dims=2, **kwargs)
+    _, per_tok_linf = solve(f, z0, norm="linf", batch_dims=2, **kwargs)
+    assert torch.allclose(per_tok.residual, per_tok_linf.residual, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("solver", ALL_SOLVERS)
+def test_token_linf_solves_to_the_exact_fixed_point(solver):
+    f, W, x = tanh_problem(B=4, D=8, norm=0.95, symmetric=False, inj=1.0)
+    ref = exact_fixed_point(f, x, 8)
+    # (B, T=2, D=4) view of the same problem: the residual is per token of 4 features.
+    g = lambda z, x: f(z.reshape(4, 8), x).reshape(4, 2, 4)  # noqa: E731
+    z, stats = solve(g, torch.zeros(4, 2, 4, dtype=torch.float64), args=(x.detach(),), solver=solver,
+                     norm="token_linf", tol=1e-12, max_iter=2000)
+    assert stats.converged.all() and (z.reshape(4, 8) - ref).abs().max() < 1e-9
