@@ -58,10 +58,11 @@ MODELS = {
 }
 # A5 state tracking as in FPRM's state-tracking config: causal attention, no positional encoding and no puzzle
 # embedding, so a model trained on short words runs unchanged on longer ones; FPRM adds its causal short convolution
-# (kernel 4), alphas 0.5 and room for more solver steps on long words. --model_kwargs overrides any of them.
+# (kernel 4), alphas 0.5, room for more solver steps on long words and no Q-halt loss (its halting is the fixed point).
+# --model_kwargs overrides any of them.
 A5_DEFAULTS = {"causal": True, "pos_encodings": "none", "puzzle_emb_len": 0}
 A5_FPRM_DEFAULTS = {"conv": "1d", "conv_kernel": 4, "alpha_1_init": 0.5, "alpha_2_init": 0.5, "bptt_window": 4,
-                    "fp_max_iter": 128, "fp_eval_max_iter": 160}
+                    "fp_max_iter": 128, "fp_eval_max_iter": 160, "q_loss_weight": 0.0}  # Q head off, as there
 
 
 @dataclass
@@ -96,7 +97,9 @@ class Args:
     num_layers: Optional[int] = field(default=None, metadata={"help": "blocks (None: the family's default)"})
     puzzle_emb_len: Optional[int] = field(default=None, metadata={
         "help": "puzzle-embedding prefix positions (0: none); None: 1, or 0 for a5"})
-    halt_max_steps: int = field(default=8, metadata={"help": "ACT supervision steps per puzzle"})
+    halt_max_steps: Optional[int] = field(default=None, metadata={
+        "help": "ACT supervision steps per puzzle; None: 8, or for FPRM enough windows to reach fp_max_iter solver "
+                "steps (the research code caps supervision steps at max_iter, so the solver-step cap binds)"})
     loss_type: Optional[str] = field(default=None, metadata={
         "help": "stablemax or softmax; None: softmax for a5 (60 answer classes, where stablemax's linear tail learns "
                 "the group table far slower), the research code's stablemax otherwise"})
@@ -117,8 +120,13 @@ def parse_json(text, name):
 def build_model(args, meta):
     """The family's model sized from the dataset metadata, or ``--init_from`` checked against it."""
     config_class, model_class, defaults = MODELS[args.model]
-    if args.init_from:
-        model = model_class.from_pretrained(args.init_from)
+    if args.init_from:  # --model_kwargs and --halt_max_steps override the checkpoint's config (validated)
+        overrides = parse_json(args.model_kwargs, "model_kwargs")
+        if args.halt_max_steps is not None:
+            overrides["halt_max_steps"] = args.halt_max_steps
+        config = config_class.from_pretrained(args.init_from)
+        config = config_class(**{**config.to_dict(), **overrides}) if overrides else config
+        model = model_class.from_pretrained(args.init_from, config=config)
         for name in ("num_puzzle_identifiers", "vocab_size"):
             have, want = getattr(model.config, name), getattr(meta, name)
             if have != want:
@@ -130,13 +138,17 @@ def build_model(args, meta):
     emb_len = args.puzzle_emb_len if args.puzzle_emb_len is not None else defaults.get("puzzle_emb_len", 1)
     kwargs = {**defaults, "vocab_size": meta.vocab_size, "seq_len": meta.seq_len, "hidden_size": args.hidden_size,
               "num_attention_heads": args.num_attention_heads, "num_puzzle_identifiers": meta.num_puzzle_identifiers,
-              "puzzle_emb_len": emb_len, "halt_max_steps": args.halt_max_steps,
+              "puzzle_emb_len": emb_len, "halt_max_steps": 8 if args.halt_max_steps is None else args.halt_max_steps,
               "grid_shape": list(meta.grid_shape) if meta.grid_shape else None, "puzzle_metadata": meta.to_dict(),
               "loss_type": args.loss_type or ("softmax" if meta.task == "a5" else "stablemax")}
     if args.num_layers is not None:
         kwargs["num_layers"] = args.num_layers
-    kwargs.update(parse_json(args.model_kwargs, "model_kwargs"))
-    return model_class(config_class(**kwargs))
+    extra = parse_json(args.model_kwargs, "model_kwargs")
+    kwargs.update(extra)
+    config = config_class(**kwargs)
+    if args.model == "fprm" and args.halt_max_steps is None and "halt_max_steps" not in extra:
+        config = config_class(**{**kwargs, "halt_max_steps": -(-config.fp_max_iter // config.bptt_window)})
+    return model_class(config)
 
 
 def batches(ds, batch_size, device, shuffle, seed=0, drop_last=True):

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("datasets")
 
@@ -110,6 +111,33 @@ def test_init_from_trains_in_training_mode(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="the dataset has vocab_size=11 but the checkpoint"):
         main(["--model", "fprm", "--task", "sudoku", "--task_kwargs", '{"num_puzzles": 2}', "--test_task_kwargs",
               '{"num_puzzles": 2}', "--init_from", str(first), "--output_dir", str(tmp_path / "sudoku")])
+
+
+def test_fprm_supervision_steps_reach_its_solver_cap_and_init_from_takes_overrides(tmp_path):
+    # The research code caps FPRM's supervision steps at max_iter, so fp_max_iter (not the ACT step count) binds:
+    # by default the recipe gives FPRM ceil(fp_max_iter / bptt_window) windows; other models get 8.
+    from hf_fixedpoint.puzzles import build_dataset
+    from recipes.reasoning import Args, build_model
+
+    _, meta = build_dataset("a5", "train", num_samples=4, length=4)
+    fprm = build_model(Args(model="fprm", task="a5"), meta)
+    assert fprm.config.fp_max_iter == 128 and fprm.config.bptt_window == 4 and fprm.config.halt_max_steps == 32
+    assert fprm.config.q_loss_weight == 0.0 and fprm.config.fp_norm == "token_linf"
+    odd = build_model(Args(model="fprm", task="a5", model_kwargs='{"fp_max_iter": 10, "bptt_window": 3}'), meta)
+    assert odd.config.halt_max_steps == 4
+    assert build_model(Args(model="fprm", task="a5", halt_max_steps=5), meta).config.halt_max_steps == 5
+    assert build_model(Args(model="trm", task="a5"), meta).config.halt_max_steps == 8
+    # --init_from: --model_kwargs and --halt_max_steps override the checkpoint's config, validated like a new one.
+    fprm.save_pretrained(tmp_path / "ckpt")
+    args = Args(model="fprm", task="a5", init_from=str(tmp_path / "ckpt"), halt_max_steps=3,
+                model_kwargs='{"fp_tol": 0.05}')
+    tuned = build_model(args, meta)
+    assert tuned.config.halt_max_steps == 3 and tuned.config.fp_tol == 0.05 and tuned.config.fp_max_iter == 128
+    want = fprm.state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in tuned.state_dict().items())  # the checkpoint's weights
+    with pytest.raises(ValueError, match="alpha_1_init"):
+        build_model(Args(model="fprm", task="a5", init_from=str(tmp_path / "ckpt"),
+                         model_kwargs='{"alpha_1_init": 1.5}'), meta)
 
 
 def test_max_train_seconds_stops_with_a_final_evaluation(tmp_path, capsys):
