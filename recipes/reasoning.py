@@ -69,7 +69,7 @@ A5_FPRM_DEFAULTS = {"conv": "1d", "conv_kernel": 4, "alpha_1_init": 0.5, "alpha_
 class Args:
     model: str = field(default="fprm", metadata={"help": f"one of {sorted(MODELS)}"})
     task: str = field(default="a5", metadata={"help": "puzzle task: sudoku, maze, a5, arc1, arc2"})
-    task_kwargs: str = field(default='{"num_samples": 200000, "length": 8, "min_length": 2}',
+    task_kwargs: str = field(default='{"num_samples": 200000, "length": 8}',
                              metadata={"help": "JSON options of build_dataset for the training split"})
     test_task_kwargs: str = field(default='[{"num_samples": 256, "length": 8}, {"num_samples": 256, "length": 16}]',
                                   metadata={"help": "JSON object or list of objects: one test set each"})
