@@ -62,7 +62,7 @@ MODELS = {
 # --model_kwargs overrides any of them.
 A5_DEFAULTS = {"causal": True, "pos_encodings": "none", "puzzle_emb_len": 0}
 A5_FPRM_DEFAULTS = {"conv": "1d", "conv_kernel": 4, "alpha_1_init": 0.5, "alpha_2_init": 0.5, "bptt_window": 4,
-                    "fp_max_iter": 128, "fp_eval_max_iter": 160, "q_loss_weight": 0.0}  # Q head off, as there
+                    "fp_max_iter": 128, "fp_eval_max_iter": 160, "q_loss_weight": 0.0}  # official q_loss_coeff 0
 
 
 @dataclass
