@@ -23,8 +23,8 @@ from hf_fixedpoint.core.fp_fpsa import FPSAStats
 from hf_fixedpoint.hub import export
 
 # FPSA knobs a recipe forwards to ``from_pretrained`` / the config when set on the command line.
-FP_KNOBS = ("fp_max_iter", "fp_tol", "fp_backward", "fpsa_update", "fpsa_step_norm", "fpsa_spectral_norm",
-            "fpsa_halting")
+FP_KNOBS = ("fp_max_iter", "fp_tol", "fp_solver", "fp_backward", "fpsa_update", "fpsa_step_norm",
+            "fpsa_spectral_norm", "fpsa_halting", "fpsa_jac_weight")
 
 
 @dataclass
@@ -49,11 +49,14 @@ class TrainingArgs:
                                                                         "run, or 'latest' (newest in output_dir)"})
     fp_max_iter: int = field(default=None, metadata={"help": "FPSA iteration cap (default: the checkpoint's)"})
     fp_tol: float = field(default=None, metadata={"help": "FPSA relative-change tolerance (default: checkpoint's)"})
+    fp_solver: str = field(default=None, metadata={"help": "FPSA forward solver: picard | anderson | ..."})
     fp_backward: str = field(default=None, metadata={"help": "FPSA backward mode, e.g. ift | phantom | bptt"})
     fpsa_update: str = field(default=None, metadata={"help": "FPSA update form: residual_norm | plain"})
     fpsa_step_norm: str = field(default=None, metadata={"help": "FPSA step norm: none | tanh"})
     fpsa_spectral_norm: str = field(default=None, metadata={"help": "spectral norm: none | qk | qko"})
     fpsa_halting: str = field(default=None, metadata={"help": "FPSA halting: tolerance | learned (FPSA-LH)"})
+    fpsa_jac_weight: float = field(default=None, metadata={"help": "weight of the FPSA Jacobian penalty in the "
+                                                                   "loss (default: the config's)"})
 
 
 def default_bert_path() -> str:

@@ -44,9 +44,11 @@ from typing import Callable, List, Optional
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .fp_backward import fixed_point
 from .fp_halting import ACTAccumulator
+from .fp_jacobian import jacobian_frobenius
 from .fp_registry import check_choice, check_number
 from .fp_stats import FixedPointStats
 
@@ -54,6 +56,7 @@ UPDATE_FORMS = ("residual_norm", "plain")
 STEP_NORMS = ("none", "tanh")
 HALTING_MODES = ("tolerance", "learned")
 SPECTRAL_NORMS = ("none", "qk", "qko")
+HALT_UNITS = ("head", "token")
 HALT_FEATURES = 3  # relative latent change, attention entropy, task-head logit margin
 
 FPSA_DEFAULTS = {
@@ -66,6 +69,8 @@ FPSA_DEFAULTS = {
     "fpsa_ponder_budget": 4.0,  # learned halting: target mean iterations per (token, head)
     "fpsa_ponder_weight": 0.01,  # learned halting: weight of relu(mean ponder cost - budget) in the loss
     "fpsa_halt_threshold": 0.99,  # learned halting: ACT threshold 1 - eps
+    "fpsa_halt_unit": "head",  # head: each (token, head) halts on its own change | token: all heads of a token
+    "fpsa_jac_weight": 0.0,  # training: weight of the Hutchinson ||J_f||_F^2 / n penalty of each layer's FPSA map
 }
 
 # FPSA's own defaults for the shared fp_* knobs: plain iteration with the official code's tolerance and cap.
@@ -78,11 +83,13 @@ def check_fpsa_settings(s: dict) -> None:
     check_choice(s["fpsa_step_norm"], "fpsa_step_norm", STEP_NORMS)
     check_choice(s["fpsa_halting"], "fpsa_halting", HALTING_MODES)
     check_choice(s["fpsa_spectral_norm"], "fpsa_spectral_norm", SPECTRAL_NORMS)
+    check_choice(s["fpsa_halt_unit"], "fpsa_halt_unit", HALT_UNITS)
     for key in ("fpsa_learn_temperature", "fpsa_adjoint_mask"):
         check_choice(s[key], key, (True, False))
     check_number(s["fpsa_ponder_budget"], "fpsa_ponder_budget", low=1.0)
     check_number(s["fpsa_ponder_weight"], "fpsa_ponder_weight", low=0.0)
     check_number(s["fpsa_halt_threshold"], "fpsa_halt_threshold", low=0.0, high=1.0, low_open=True, high_open=True)
+    check_number(s["fpsa_jac_weight"], "fpsa_jac_weight", low=0.0)
 
 
 def pop_fpsa_kwargs(kwargs: dict, defaults: Optional[dict] = None) -> dict:
@@ -137,6 +144,8 @@ class FPSAStats:
         solves: per layer, the ``FixedPointStats`` of the solve (None for ``fp_max_iter=1`` and learned halting).
         token_mask: ``(B, T)`` bool, the real (non-padding) tokens the summaries count; None counts every token.
         ponder_cost_per_layer: per layer ``(B, T, H)`` ACT ponder cost ``N + R`` (learned halting only).
+        jac_penalty_per_layer: per layer, the differentiable Hutchinson estimate of ``||J_f||_F^2 / n`` at the fixed
+            point (training with ``fpsa_jac_weight > 0`` only).
     """
 
     iterations_per_layer: List[torch.Tensor] = field(default_factory=list)
@@ -145,6 +154,7 @@ class FPSAStats:
     solves: List[Optional[FixedPointStats]] = field(default_factory=list)
     token_mask: Optional[torch.Tensor] = None
     ponder_cost_per_layer: List[torch.Tensor] = field(default_factory=list)
+    jac_penalty_per_layer: List[torch.Tensor] = field(default_factory=list)
 
     _slots: dict = field(default_factory=dict, repr=False)
 
@@ -160,6 +170,8 @@ class FPSAStats:
             self.solves.append(result.stats)
             if result.ponder_cost is not None:
                 self.ponder_cost_per_layer.append(result.ponder_cost)
+            if result.jac_penalty is not None:
+                self.jac_penalty_per_layer.append(result.jac_penalty)
         else:
             self.iterations_per_layer[i], self.converged_per_layer[i] = result.iterations, result.converged
             self.solves[i] = result.stats
@@ -228,10 +240,18 @@ class FPSAStats:
             raise ValueError("mean_ponder_cost needs the stats of a forward pass with fpsa_halting='learned'.")
         return self._valid(self.ponder_cost_per_layer).mean()
 
+    def jac_penalty(self) -> Optional[torch.Tensor]:
+        """Mean over layers of the Jacobian penalty ``||J_f||_F^2 / n`` (differentiable); None when not computed."""
+        if not self.jac_penalty_per_layer:
+            return None
+        return torch.stack(self.jac_penalty_per_layer).mean()
+
     def summary(self) -> dict:
         """Plain floats for logging: mean / median / p90 / p99 iterations, cap-hit rate and converged fraction."""
         its = self._valid(self.iterations_per_layer).double()
+        extra = {} if not self.jac_penalty_per_layer else {"fpsa_jac_fro": float(self.jac_penalty().detach())}
         return {
+            **extra,
             "fpsa_iter_mean": float(its.mean()),
             "fpsa_iter_median": self.quantile(0.5),
             "fpsa_iter_p90": self.quantile(0.9),
@@ -254,6 +274,7 @@ class FPSAResult:
     stats: Optional[FixedPointStats] = None
     ponder_cost: Optional[torch.Tensor] = None  # (B, T, H), learned halting
     state: Optional[torch.Tensor] = None  # (B, T, D) final iterate Z (x after the exact first step alone), if asked
+    jac_penalty: Optional[torch.Tensor] = None  # scalar Hutchinson ||J_f||_F^2 / n at the fixed point, if asked
 
 
 class FPSAHaltingGate(nn.Module):
@@ -312,6 +333,8 @@ def fpsa_attention(
     margin_fn: Optional[Callable] = None,
     attention_kwargs: Optional[dict] = None,
     return_state: bool = False,
+    jac_penalty: bool = False,
+    halt_unit: str = "head",
 ) -> FPSAResult:
     """Run one FPSA layer.
 
@@ -344,10 +367,19 @@ def fpsa_attention(
         attention_kwargs: further keyword arguments for ``attention_fn``.
         return_state: also return the final iterate ``Z`` (``x`` when only the exact first step ran), e.g. for the
             keys a KV cache stores.
+        jac_penalty: when gradients are enabled and the loop runs (``max_iter > 1``, tolerance halting), also return
+            a differentiable Hutchinson estimate of ``||J_f||_F^2 / n`` of the FPSA map at the fixed point (one
+            Gaussian probe; ``n`` the size of the iterate), the Jacobian regulariser of Bai et al. (2021) that
+            ``fpsa_jac_weight`` adds to the loss to train the map towards a contraction.
+        halt_unit: what converges and halts as one entry with ``halting="tolerance"``: ``head`` (each (token, head)
+            pair, on the relative change of its own output) or ``token`` (the paper's per-token relative Frobenius
+            change of the token's head outputs, all heads together). Iteration counts are reported per (token, head)
+            either way.
     """
     check_choice(update, "fpsa_update", UPDATE_FORMS)
     check_choice(step_norm, "fpsa_step_norm", STEP_NORMS)
     check_choice(halting, "fpsa_halting", HALTING_MODES)
+    check_choice(halt_unit, "fpsa_halt_unit", HALT_UNITS)
     attention_kwargs = dict(attention_kwargs or {})
     B, T, _ = x.shape
     residual = x if residual is None else residual
@@ -393,18 +425,27 @@ def fpsa_attention(
         kw["min_iter"] = max(kw.get("min_iter", 0) - 1, 0)
         if adjoint_mask and kw.get("backward") == "ift":
             kw["backward_kwargs"] = {**(kw.get("backward_kwargs") or {}), "mask": "converged"}
-        o, solve_stats = fixed_point(f, o1, args=(residual, value, attention_mask, *extra), batch_dims=3,
-                                     compact=True, **kw)
-        iterations = ones + solve_stats.nstep
-        converged = solve_stats.converged
+        o, solve_stats = fixed_point(f, o1, args=(residual, value, attention_mask, *extra),
+                                     batch_dims=3 if halt_unit == "head" else 2, compact=True, **kw)
+        nstep, converged = solve_stats.nstep, solve_stats.converged
+        if halt_unit == "token":  # one entry per token: every head of it shares the count
+            nstep, converged = nstep[..., None], converged[..., None].expand_as(ones)
+        iterations = ones + nstep
     weights = w1 if max_iter == 1 else None
     if return_weights and max_iter > 1:
         _, weights = attend(state(o, residual), value, attention_mask, extra)
     final_state = None
     if return_state:
         final_state = x if max_iter == 1 else state(o, residual)
+    penalty = None
+    if jac_penalty and max_iter > 1 and torch.is_grad_enabled():
+        args = (residual, value, attention_mask, *extra)
+        # The penalty's gradient is a double backward: SDPA's fused CPU/GPU kernels have none, its math one has.
+        with sdpa_kernel(SDPBackend.MATH):
+            fro = jacobian_frobenius(lambda z: f(z, *args), o.detach(), batch_dims=0, create_graph=True)
+        penalty = fro / o.numel()
     return FPSAResult(output=o.flatten(2), attn_weights=weights, iterations=iterations, converged=converged,
-                      max_iter=max_iter, stats=solve_stats, state=final_state)
+                      max_iter=max_iter, stats=solve_stats, state=final_state, jac_penalty=penalty)
 
 
 def _learned_halting(step, state, o1, w1, args, max_iter, gate, threshold, margin_fn):
@@ -454,6 +495,8 @@ def fpsa_decoder_attention(
     adjoint_mask: bool = True,
     return_weights: bool = False,
     attention_kwargs: Optional[dict] = None,
+    jac_penalty: bool = False,
+    halt_unit: str = "head",
 ):
     """Causal FPSA in one layer of a pretrained decoder (SELF-LLaMA / SELF-Mistral), with an optional KV cache.
 
@@ -509,6 +552,7 @@ def fpsa_decoder_attention(
         log_temperature=log_temperature, update=update, step_norm=step_norm,
         dropout=module.attention_dropout if module.training else 0.0, adjoint_mask=adjoint_mask,
         return_weights=return_weights, attention_kwargs=attention_kwargs, return_state=cache is not None,
+        jac_penalty=jac_penalty, halt_unit=halt_unit,
     )
     if cache is not None:
         with torch.no_grad():
@@ -517,6 +561,14 @@ def fpsa_decoder_attention(
             n = min(T, stored.shape[-2])
             stored[:, :, stored.shape[-2] - n:] = final_key[:, :, T - n:].to(stored.dtype)
     return module.o_proj(result.output), result
+
+
+def with_jac_penalty(output, stats: FPSAStats, weight: float):
+    """Add ``weight *`` the mean per-layer Jacobian penalty to ``output.loss`` (when both exist); return ``output``."""
+    penalty = stats.jac_penalty()
+    if output.loss is not None and penalty is not None and weight > 0:
+        output.loss = output.loss + weight * penalty.to(output.loss.dtype)
+    return output
 
 
 def ponder_loss(stats: FPSAStats, budget: float, weight: float) -> torch.Tensor:
@@ -583,7 +635,7 @@ class FPSAHeadMixin:
                                 fp_stats=stats)
         if out.loss is not None and learned:
             out.loss = out.loss + ponder_loss(stats, self.config.fpsa_ponder_budget, self.config.fpsa_ponder_weight)
-        return out
+        return with_jac_penalty(out, stats, self.config.fpsa_jac_weight)
 
 
 def remove_spectral_norm(model: nn.Module) -> None:
@@ -603,6 +655,7 @@ __all__ = [
     "FPSA_DEFAULTS",
     "FPSA_FP_DEFAULTS",
     "HALTING_MODES",
+    "HALT_UNITS",
     "SPECTRAL_NORMS",
     "STEP_NORMS",
     "UPDATE_FORMS",
@@ -622,4 +675,5 @@ __all__ = [
     "remove_spectral_norm",
     "retrofit_config_dict",
     "warm_up_spectral_norm",
+    "with_jac_penalty",
 ]

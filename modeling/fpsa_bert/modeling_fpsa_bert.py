@@ -91,7 +91,8 @@ class FPSABertSelfAttention(BertSelfAttention):
             step_norm=config.fpsa_step_norm, dropout=self.dropout.p if self.training else 0.0,
             adjoint_mask=config.fpsa_adjoint_mask, return_weights=bool(kwargs.get("output_attentions")),
             halting=config.fpsa_halting, halting_gate=self.fpsa_halt_gate, halt_threshold=config.fpsa_halt_threshold,
-            margin_fn=fpsa_margin_fn, attention_kwargs=kwargs,
+            margin_fn=fpsa_margin_fn, attention_kwargs=kwargs, jac_penalty=config.fpsa_jac_weight > 0,
+            halt_unit=config.fpsa_halt_unit,
         )
         if fpsa_stats is not None:
             fpsa_stats.add(result, layer=self)

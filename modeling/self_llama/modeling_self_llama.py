@@ -36,7 +36,7 @@ from transformers.models.llama.modeling_llama import (
 from transformers.utils.generic import can_return_tuple
 
 from .configuration_self_llama import SelfLlamaConfig
-from .fp_fpsa import FPSAStats, fpsa_decoder_attention, init_fpsa_weights
+from .fp_fpsa import FPSAStats, fpsa_decoder_attention, init_fpsa_weights, with_jac_penalty
 from .fp_settings import call_overrides, fixed_point_kwargs, reject_unknown_knobs
 
 # Keywords a SELF forward passes down to its layers; any other fp* keyword is a typo.
@@ -82,6 +82,8 @@ class SelfLlamaAttention(LlamaAttention):
             norm=fpsa_norm, log_temperature=self.fpsa_log_tau, update=config.fpsa_update,
             step_norm=config.fpsa_step_norm, adjoint_mask=config.fpsa_adjoint_mask,
             return_weights=bool(kwargs.get("output_attentions", config.output_attentions)), attention_kwargs=kwargs,
+            jac_penalty=config.fpsa_jac_weight > 0,
+            halt_unit=config.fpsa_halt_unit,
         )
         if fpsa_stats is not None:
             fpsa_stats.add(result, layer=self)
@@ -201,7 +203,8 @@ class SelfLlamaForCausalLM(SelfLlamaPreTrainedModel, LlamaForCausalLM):
                               **kwargs)
         if fp_stats_log is not None:
             fp_stats_log.append(stats)
-        return SelfLlamaCausalLMOutputWithPast(**out, fp_stats=stats)
+        out = SelfLlamaCausalLMOutputWithPast(**out, fp_stats=stats)
+        return with_jac_penalty(out, stats, self.config.fpsa_jac_weight)
 
 
 __all__ = ["SelfLlamaForCausalLM", "SelfLlamaModel", "SelfLlamaPreTrainedModel"]

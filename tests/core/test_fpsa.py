@@ -210,6 +210,51 @@ def test_learned_halting_gate_and_act():
                                blk.attention(x, x).flatten(2))
 
 
+def test_jac_penalty_is_the_hutchinson_estimate_of_the_exact_jacobian():
+    """``jac_penalty``: ``||e^T J||^2 / n`` for the Gaussian probe ``e`` drawn after the solve, with ``J`` the exact
+    Jacobian of the FPSA map at the fixed point; differentiable into W_Q; absent without gradients or iterations."""
+    blk, x = Block(), x_input()
+    torch.manual_seed(123)  # Picard draws no random numbers: the probe is the first draw after this seed
+    res = blk.run(x, fp(), jac_penalty=True)
+    torch.manual_seed(123)
+    probe = torch.randn(B, T, H, DH, dtype=torch.float64)
+    o = res.output.detach().view(B, T, H, DH)
+
+    def f(o):
+        return blk.attention(blk.norm(x + blk.o(o.flatten(2))), x)
+
+    jac = torch.autograd.functional.jacobian(f, o).reshape(o.numel(), o.numel())
+    expected = (probe.flatten() @ jac).pow(2).sum() / o.numel()
+    assert res.converged.all() and expected > 1e-4, expected
+    torch.testing.assert_close(res.jac_penalty, expected, rtol=1e-9, atol=0)
+    res.jac_penalty.backward()
+    assert blk.q.weight.grad.abs().sum() > 0 and blk.k.weight.grad.abs().sum() > 0
+    with torch.no_grad():
+        assert blk.run(x, fp(), jac_penalty=True).jac_penalty is None
+    assert blk.run(x, fp(max_iter=1), jac_penalty=True).jac_penalty is None
+    assert blk.run(x, fp()).jac_penalty is None
+
+
+def test_token_halt_unit_one_count_per_token_same_fixed_point():
+    """``halt_unit="token"``: a token's heads halt together on the relative Frobenius change of all its head outputs
+    (the paper's rule); the fixed point is the one the per-head rule finds."""
+    blk, x = Block(), x_input()
+    with torch.no_grad():
+        head = blk.run(x, fp(tol=1e-11))
+        token = blk.run(x, fp(tol=1e-11), halt_unit="token")
+        loose_head, loose_token = blk.run(x, fp(tol=1e-3)), blk.run(x, fp(tol=1e-3), halt_unit="token")
+    assert token.converged.all() and token.iterations.shape == (B, T, H)
+    assert bool((token.iterations == token.iterations[..., :1]).all())
+    torch.testing.assert_close(token.output, head.output, rtol=0, atol=1e-9)
+    assert not torch.equal(loose_token.iterations, loose_head.iterations)  # the knob changes the halting
+    o = loose_token.output.view(B, T, H, DH)  # a halted token's last step changed it by less than tol (relative)
+    step = blk.attention(blk.norm(x + blk.o(o.flatten(2))), x)
+    change = (step - o).flatten(2).norm(dim=-1) / step.flatten(2).norm(dim=-1)
+    assert float(change.max()) < 1e-3
+    with pytest.raises(ValueError, match="fpsa_halt_unit='layer' is not allowed"):
+        blk.run(x, fp(), halt_unit="layer")
+
+
 def test_bad_input():
     blk, x = Block(), x_input()
     with pytest.raises(ValueError, match="fpsa_update='tied' is not allowed"):
@@ -222,4 +267,6 @@ def test_bad_input():
         pop_fpsa_kwargs({"fpsa_ponder_budget": 0.5})
     with pytest.raises(ValueError, match="fpsa_learn_temperature"):
         pop_fpsa_kwargs({"fpsa_learn_temperature": "yes"})
+    with pytest.raises(ValueError, match=r"fpsa_jac_weight=-1.0 is out of range"):
+        pop_fpsa_kwargs({"fpsa_jac_weight": -1.0})
     assert pop_fpsa_kwargs({}) == FPSA_DEFAULTS

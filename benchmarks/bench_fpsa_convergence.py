@@ -1,0 +1,280 @@
+"""Do trained FPSA models converge? Train (or load) FPSA models and print their convergence profile.
+
+    python -m benchmarks.bench_fpsa_convergence                       # RID FPSA-1L and FPSA-ViT digits, defaults
+    python -m benchmarks.bench_fpsa_convergence --tasks rid --seeds 0 1 2
+    python -m benchmarks.bench_fpsa_convergence --tasks vit --set fpsa_jac_weight=0 --set fp_backward=bptt
+    python -m benchmarks.bench_fpsa_convergence --tasks glue --checkpoint runs/fpsa_sst2   # a fpsa_glue export
+    python -m benchmarks.bench_fpsa_convergence --tasks self --checkpoint runs/self_lora    # a self_lora export
+
+Every model is evaluated on held-out data the way the FPSA paper reports convergence: at ``fp_tol=1e-4`` with a cap
+of ``fp_max_iter=100`` (median / p90 / p99 iterations per (layer, token, head) and the cap-hit rate), and its accuracy
+is printed at that setting, at the cap it was trained with, and at ``fp_max_iter=1`` (the plain-attention model with
+the same weights). The targets of the FPSA convergence work: median <= 6, p90 <= 10, cap-hit <= 1%.
+
+Tasks (trained here with the recipes' model and optimiser defaults unless ``--set`` changes a config knob):
+
+* ``rid``: FPSA-1L on Randomized Induction with Distractors (``benchmarks.bench_rid``), next to TF-1L (the same
+  model with ``fp_max_iter=1``); also prints iterations against the number of distractors K (difficulty).
+* ``vit``: the ``recipes/fpsa_vit.py`` from-scratch FPSA-ViT on sklearn digits, next to the same model with plain
+  attention (``fp_max_iter=1``), at matched parameters and steps.
+* ``glue`` / ``self``: load an export of ``recipes/fpsa_glue.py`` (SST-2 validation data) or ``recipes/self_lora.py``
+  (its held-out problems) with ``--checkpoint`` and profile it; ``glue`` also prints iterations against sentence
+  length.
+
+``--set key=value`` (repeatable; values parsed as JSON, else strings) overrides config knobs of the FPSA model, e.g.
+``--set fpsa_jac_weight=0 --set fp_backward=bptt --set fp_max_iter=4``. ``--json`` writes every result to a file.
+"""
+
+import argparse
+import json
+import math
+import statistics
+import time
+
+import torch
+from transformers import get_scheduler
+
+from hf_fixedpoint.core.fp_fpsa import FPSAStats
+
+PROFILE = {"fp_tol": 1e-4, "fp_max_iter": 100, "fp_eval_max_iter": None}  # the paper's evaluation setting
+ONE_STEP = {"fp_max_iter": 1, "fp_eval_max_iter": None}
+
+
+def parse_set(items):
+    out = {}
+    for item in items or []:
+        if "=" not in item:
+            raise ValueError(f"--set takes key=value, got {item!r}")
+        key, value = item.split("=", 1)
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def run_eval(model, batches, overrides, score):
+    """Accuracy and merged ``FPSAStats`` of ``model`` on ``batches`` with per-call ``overrides``."""
+    model.eval()
+    correct, total, stats = 0, 0, []
+    with torch.no_grad():
+        for batch in batches:
+            labels = batch.pop("labels")
+            out = model(**batch, fp_overrides=overrides)
+            batch["labels"] = labels
+            c, n = score(out, labels)
+            correct, total = correct + c, total + n
+            stats.append(out.fp_stats)
+    return correct / max(total, 1), FPSAStats.merge(stats)
+
+
+def profile(model, batches, score):
+    """The convergence profile at the paper's setting (with the model's ``fpsa_halt_unit`` and, as ``other_*``, with
+    the other unit), and accuracy at the trained cap and at one step."""
+    acc, stats = run_eval(model, batches, PROFILE, score)
+    trained_acc, trained_stats = run_eval(model, batches, None, score)
+    one_acc, _ = run_eval(model, batches, ONE_STEP, score)
+    s = stats.summary()
+    row = {"unit": model.config.fpsa_halt_unit, "accuracy": acc, "median": s["fpsa_iter_median"],
+           "p90": s["fpsa_iter_p90"], "p99": s["fpsa_iter_p99"], "mean": s["fpsa_iter_mean"],
+           "cap_hit": s["fpsa_cap_hit_rate"], "accuracy_trained_cap": trained_acc,
+           "trained_cap_hit": trained_stats.summary()["fpsa_cap_hit_rate"], "accuracy_one_step": one_acc}
+    unit = model.config.fpsa_halt_unit
+    model.config.fpsa_halt_unit = "token" if unit == "head" else "head"
+    try:
+        other_acc, other = run_eval(model, batches, PROFILE, score)
+    finally:
+        model.config.fpsa_halt_unit = unit
+    o = other.summary()
+    row.update({"other_accuracy": other_acc, "other_median": o["fpsa_iter_median"], "other_p90": o["fpsa_iter_p90"],
+                "other_p99": o["fpsa_iter_p99"], "other_cap_hit": o["fpsa_cap_hit_rate"]})
+    return row
+
+
+def fit(model, batch_fn, steps, lr, weight_decay=0.01, warmup_ratio=0.1, max_grad_norm=1.0, log_every=0):
+    """AdamW with linear warm-up and decay and clipping, as the FPSA recipes train; returns (seconds, last log)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=int(warmup_ratio * steps),
+                              num_training_steps=steps)
+    model.train()
+    t0, log = time.time(), {}
+    for step in range(1, steps + 1):
+        out = model(**batch_fn(step))
+        out.loss.backward()
+        if max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        if log_every and (step % log_every == 0 or step == steps):
+            log = {"step": step, "loss": out.loss.item(), **out.fp_stats.summary()}
+            print("   ", " ".join(f"{k} {v:.4g}" for k, v in log.items()), flush=True)
+    return time.time() - t0, log
+
+
+def argmax_score(out, labels):
+    pred = out.logits.argmax(-1)
+    return int((pred == labels).sum()), labels.numel()
+
+
+# ---------------------------------------------------------------------------------------------------- RID
+def rid_models(knobs, args, seed):
+    from hf_fixedpoint.modeling.fpsa_bert import FPSABertConfig, FPSABertForMaskedLM
+
+    def build(max_iter, extra):
+        config = FPSABertConfig(vocab_size=args.rid_symbols + 1, hidden_size=64, num_hidden_layers=1,
+                                num_attention_heads=4, intermediate_size=128,
+                                max_position_embeddings=args.rid_max_distractors + 8, hidden_dropout_prob=0.0,
+                                attention_probs_dropout_prob=0.0, pad_token_id=0, fp_max_iter=max_iter, **extra)
+        torch.manual_seed(seed)
+        return FPSABertForMaskedLM(config)
+
+    return {"TF-1L": build(1, {}), "FPSA-1L": build(knobs.pop("fp_max_iter", 16), knobs)}
+
+
+def run_rid(knobs, args, seed):
+    from benchmarks.bench_rid import rid_batch
+
+    g = torch.Generator().manual_seed(seed)
+
+    def batch_fn(step):
+        k = int(torch.randint(0, args.rid_max_distractors + 1, (1,), generator=g))
+        ids, labels = rid_batch(64, k, args.rid_symbols, g)
+        return {"input_ids": ids, "labels": labels}
+
+    def score(out, labels):
+        return int((out.logits[:, -1].argmax(-1) == labels[:, -1]).sum()), labels.shape[0]
+
+    rows = {}
+    for name, model in rid_models(dict(knobs), args, seed).items():
+        seconds, _ = fit(model, batch_fn, args.rid_steps, lr=1e-3, weight_decay=0.0, warmup_ratio=0.05,
+                         log_every=args.log_every)
+        test_g = torch.Generator().manual_seed(10_000 + seed)
+        k_top = args.rid_max_distractors
+        tests = {k: [dict(zip(("input_ids", "labels"), rid_batch(500, k, args.rid_symbols, test_g)))]
+                 for k in sorted({0, 4, 8, k_top})}
+        row = {"seconds": seconds, **profile(model, tests[k_top], score)} if name != "TF-1L" else {
+            "seconds": seconds, "accuracy": run_eval(model, tests[k_top], ONE_STEP, score)[0]}
+        if name != "TF-1L":  # difficulty: iterations against the number of distractors
+            row["by_K"] = {k: run_eval(model, b, PROFILE, score)[1].summary()["fpsa_iter_mean"]
+                           for k, b in tests.items()}
+        rows[name] = row
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------- ViT
+def run_vit(knobs, args, seed):
+    from hf_fixedpoint.modeling.fpsa_vit import FPSAViTConfig, FPSAViTForImageClassification
+    from recipes.fpsa_vit import image_collate, load_digits_split
+
+    (x_train, y_train), (x_test, y_test) = load_digits_split(0.2, 0)
+    collate = image_collate(8, 1)
+    test = [collate(list(zip(x_test[i:i + 128], y_test[i:i + 128]))) for i in range(0, len(x_test), 128)]
+    steps_per_epoch = math.ceil(len(x_train) / 64)
+    steps = int(args.vit_epochs * steps_per_epoch)
+    g = torch.Generator().manual_seed(seed)
+    order = []
+
+    def batch_fn(step):
+        if not order:
+            order.extend(torch.randperm(len(x_train), generator=g).split(64))
+        idx = order.pop(0)
+        return collate(list(zip(x_train[idx], y_train[idx])))
+
+    rows = {}
+    for name, extra in (("ViT", {"fp_max_iter": 1}), ("FPSA-ViT", knobs)):
+        config = FPSAViTConfig(image_size=8, patch_size=2, num_channels=1, hidden_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, intermediate_size=128, num_labels=10, **extra)
+        torch.manual_seed(seed)
+        model = FPSAViTForImageClassification(config)
+        order.clear()
+        g.manual_seed(seed)
+        seconds, _ = fit(model, batch_fn, steps, lr=2e-3, log_every=args.log_every)
+        if name == "ViT":
+            rows[name] = {"seconds": seconds, "accuracy": run_eval(model, test, ONE_STEP, argmax_score)[0]}
+        else:
+            rows[name] = {"seconds": seconds, **profile(model, test, argmax_score)}
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------- exports
+def run_glue(args):
+    from datasets import load_dataset
+    from transformers import AutoTokenizer
+
+    from hf_fixedpoint.modeling.fpsa_bert import FPSABertForSequenceClassification
+
+    model = FPSABertForSequenceClassification.from_pretrained(args.checkpoint)
+    tok = AutoTokenizer.from_pretrained(args.checkpoint)
+    data = load_dataset("json", data_files=args.glue_file, split="train")
+    batches = []
+    for i in range(0, len(data), 32):
+        rows = data[i:i + 32]
+        enc = tok(rows["sentence"], padding=True, truncation=True, max_length=128, return_tensors="pt")
+        batches.append({**enc, "labels": torch.tensor(rows["label"])})
+    row = profile(model, batches, argmax_score)
+    by_len = {}
+    model.eval()
+    with torch.no_grad():
+        for b in batches:
+            labels = b.pop("labels")
+            out = model(**b, fp_overrides=PROFILE)
+            b["labels"] = labels
+            its = out.fp_stats.iterations.float()  # (L, B, T, H)
+            mask = b["attention_mask"].bool()
+            for j in range(mask.shape[0]):
+                n = int(mask[j].sum())
+                bucket = "<=16" if n <= 16 else "17-32" if n <= 32 else ">32"
+                by_len.setdefault(bucket, []).append(float(its[:, j][:, mask[j]].mean()))
+    row["by_length"] = {k: statistics.mean(v) for k, v in sorted(by_len.items())}
+    return {"FPSA-BERT (MiniLM, SST-2)": row}
+
+
+def run_self(args):
+    from recipes.self_lora import evaluate_caps  # noqa: F401  (the recipe's own evaluation)
+
+    raise SystemExit("--tasks self: use `python -m recipes.self_lora --eval_only ...`; see docs/self_lora.md")
+
+
+TASKS = {"rid": run_rid, "vit": run_vit}
+
+
+def fmt(v):
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tasks", nargs="+", default=["rid", "vit"], choices=["rid", "vit", "glue", "self"])
+    p.add_argument("--set", action="append", default=[], help="config knob of the FPSA model, key=value")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--rid_steps", type=int, default=2000)
+    p.add_argument("--rid_max_distractors", type=int, default=16)
+    p.add_argument("--rid_symbols", type=int, default=16)
+    p.add_argument("--vit_epochs", type=float, default=15.0)
+    p.add_argument("--checkpoint", default=None, help="glue/self: the recipe's export folder")
+    p.add_argument("--glue_file", default="recipes/data/glue_sst2_tiny/validation.jsonl")
+    p.add_argument("--log_every", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the results to this file")
+    args = p.parse_args(argv)
+    knobs = parse_set(args.set)
+    results = {}
+    for task in args.tasks:
+        for seed in args.seeds:
+            if task == "glue":
+                rows = run_glue(args)
+            elif task == "self":
+                rows = run_self(args)
+            else:
+                rows = TASKS[task](dict(knobs), args, seed)
+            results[f"{task}/seed{seed}"] = rows
+            for name, row in rows.items():
+                print(f"{task} seed {seed} {name}: " + " ".join(f"{k} {fmt(v)}" for k, v in row.items()), flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"knobs": knobs, "results": results}, fh, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()
