@@ -1,0 +1,58 @@
+"""FPSA convergence benchmark: a smoke run of every task, and its profile counted the way FPSAStats counts."""
+
+import json
+
+import torch
+
+from benchmarks.bench_fpsa_convergence import main, meets_target, parse_set, profile
+from hf_fixedpoint.modeling import FPSABertConfig, FPSABertForSequenceClassification
+from tests.helpers import train_bpe_tokenizer
+
+
+def test_rid_and_vit_smoke_with_knobs(tmp_path, capsys):
+    out_file = tmp_path / "r.json"
+    results = main(["--tasks", "rid", "vit", "--rid_steps", "3", "--rid_max_distractors", "4", "--vit_epochs", "0.1",
+                    "--set", "fpsa_jac_weight=2.5", "--set", "fp_max_iter=5", "--json", str(out_file)])
+    rid, vit = results["rid/seed0"], results["vit/seed0"]
+    assert set(rid) == {"TF-1L", "FPSA-1L"} and set(vit) == {"ViT", "FPSA-ViT", "ViT (matched time)"}
+    for row in (rid["FPSA-1L"], vit["FPSA-ViT"]):
+        assert 1 <= row["median"] <= row["p90"] <= row["p99"] <= 100 and 0 <= row["cap_hit"] <= 1
+        assert row["unit"] == "head" and "other_median" in row
+    assert set(rid["FPSA-1L"]["by_K"]) == {0, 1, 2, 4}
+    saved = json.loads(out_file.read_text())
+    assert saved["knobs"] == {"fpsa_jac_weight": 2.5, "fp_max_iter": 5}
+    assert "| rid/seed0 | FPSA-1L |" in capsys.readouterr().out
+
+
+def test_glue_profile_of_an_export(tmp_path):
+    sentences = ["a fine film .", "a dull , long film that goes on .", "great !", "bad acting and a bad plot ."]
+    tok = train_bpe_tokenizer(sentences * 4, vocab_size=60)
+    torch.manual_seed(0)
+    model = FPSABertForSequenceClassification(FPSABertConfig(
+        vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+        num_labels=2, pad_token_id=tok.pad_token_id))
+    model.save_pretrained(tmp_path / "export")
+    tok.save_pretrained(tmp_path / "export")
+    data = tmp_path / "val.jsonl"
+    data.write_text("".join(json.dumps({"sentence": s, "label": i % 2}) + "\n" for i, s in enumerate(sentences)))
+    results = main(["--tasks", "glue", "--seeds", "0", "1", "--checkpoint", str(tmp_path / "export"),
+                    "--glue_file", str(data)])
+    assert list(results) == ["glue/seed0"]
+    row = results["glue/seed0"]["FPSA-BERT (MiniLM, SST-2)"]
+    lengths = sorted(row["by_length"])
+    assert len(lengths) >= 2 and all(v >= 1 for v in row["by_length"].values())
+
+
+def test_profile_counts_and_target():
+    torch.manual_seed(0)
+    model = FPSABertForSequenceClassification(FPSABertConfig(vocab_size=20, hidden_size=16, num_hidden_layers=1,
+                                                             num_attention_heads=2, intermediate_size=16))
+    batch = {"input_ids": torch.randint(0, 20, (3, 6)), "labels": torch.tensor([0, 1, 0])}
+    row = profile(model, [batch], lambda out, y: (int((out.logits.argmax(-1) == y).sum()), y.numel()))
+    with torch.no_grad():
+        stats = model.eval()(input_ids=batch["input_ids"],
+                             fp_overrides={"fp_tol": 1e-4, "fp_max_iter": 100, "fp_eval_max_iter": None}).fp_stats
+    assert row["median"] == stats.median and row["cap_hit"] == stats.cap_hit_rate
+    assert meets_target({"median": 6, "p90": 10, "cap_hit": 0.01})
+    assert not meets_target({"median": 6, "p90": 11, "cap_hit": 0.0})
+    assert parse_set(["a=1", "b=x", 'c={"d": 0.5}']) == {"a": 1, "b": "x", "c": {"d": 0.5}}
