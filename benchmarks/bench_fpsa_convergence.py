@@ -15,7 +15,8 @@ Tasks (trained here with the recipes' model and optimiser defaults unless ``--se
 * ``rid``: FPSA-1L on Randomized Induction with Distractors (``benchmarks.bench_rid``), next to TF-1L (the same
   model with ``fp_max_iter=1``); also prints iterations against the number of distractors K (difficulty).
 * ``vit``: the ``recipes/fpsa_vit.py`` from-scratch FPSA-ViT on sklearn digits, next to the same model with plain
-  attention (``fp_max_iter=1``), at matched parameters and steps.
+  attention (``fp_max_iter=1``) at matched parameters and steps, and at matched training time; or, with
+  ``--checkpoint``, the profile of a ``recipes/fpsa_vit.py`` export on its test split.
 * ``glue``: load an export of ``recipes/fpsa_glue.py`` with ``--checkpoint`` and profile it on SST-2 validation
   sentences (``--glue_file``, default the recipe's tiny local set); also prints mean iterations against sentence
   length in tokens (difficulty). SELF-LLaMA exports are evaluated by ``recipes/self_lora.py`` itself
@@ -190,6 +191,9 @@ def run_vit(knobs, args, seed):
         g.manual_seed(seed)
         return model, fit(model, batch_fn, n_steps, lr=2e-3, log_every=args.log_every)[0]
 
+    if args.checkpoint:  # an export of recipes/fpsa_vit.py (its default split: seed 0)
+        model = FPSAViTForImageClassification.from_pretrained(args.checkpoint)
+        return {"FPSA-ViT (recipe export)": profile(model, test, argmax_score)}
     rows = {}
     vit, vit_seconds = train({"fp_max_iter": 1}, steps)
     rows["ViT"] = {"seconds": vit_seconds, "accuracy": run_eval(vit, test, ONE_STEP, argmax_score)[0]}
@@ -270,7 +274,8 @@ def main(argv=None):
     p.add_argument("--rid_max_distractors", type=int, default=16)
     p.add_argument("--rid_symbols", type=int, default=16)
     p.add_argument("--vit_epochs", type=float, default=15.0)
-    p.add_argument("--checkpoint", default=None, help="glue: the fpsa_glue export folder")
+    p.add_argument("--checkpoint", default=None, help="glue / vit: profile this fpsa_glue / fpsa_vit export "
+                                                          "instead of training")
     p.add_argument("--glue_file", default="recipes/data/glue_sst2_tiny/validation.jsonl")
     p.add_argument("--log_every", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results to this file")

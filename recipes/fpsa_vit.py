@@ -8,8 +8,9 @@ Default data: scikit-learn's ``load_digits`` (1797 grey 8x8 images of the digits
 scikit-learn wheel, so nothing is downloaded), split 80/20 stratified with a fixed seed. The images are fed as
 ``pixel_values`` tensors (no image processor, no Pillow), upsampled bilinearly to ``--image_size`` and repeated over
 the model's channels. The default model is a tiny FPSA-ViT built from scratch (8x8 images, 2x2 patches, 2 layers of
-width 64, ``fp_max_iter=4`` with backprop through the iterations: in this short from-scratch training the iterations
-do not reach ``fp_tol``, and the masked implicit gradient then trains much worse; see docs/fpsa_recipes.md). With
+width 64) with FPSA-ViT's own solver settings (``fp_max_iter=16``, ``fp_tol=1e-3``, the masked implicit gradient) and
+the Jacobian penalty ``--fpsa_jac_weight 30``: without it the iterations of a from-scratch model stop converging
+during training and the masked implicit gradient then trains poorly (docs/fpsa_recipes.md has the measurements). With
 ``--model_name_or_path`` a ViT (or FPSA-ViT) checkpoint is loaded instead, its classifier resized to 10 classes.
 The log lines carry the median / p90 FPSA iterations and the cap-hit rate; ``--resume_from_checkpoint latest``
 continues an interrupted run; the export loads with ``AutoModelForImageClassification.from_pretrained(dir,
@@ -43,8 +44,8 @@ class ViTArgs(fpsa_training.TrainingArgs):
     num_train_epochs: float = field(default=15.0, metadata={"help": "passes over the training set"})
     per_device_train_batch_size: int = field(default=64, metadata={"help": "images per step and process"})
     per_device_eval_batch_size: int = field(default=128, metadata={"help": "images per evaluation batch"})
-    fp_max_iter: int = field(default=4, metadata={"help": "FPSA iteration cap (see the docs for the choice)"})
-    fp_backward: str = field(default="bptt", metadata={"help": "FPSA backward mode (see the docs for the choice)"})
+    fpsa_jac_weight: float = field(default=30.0, metadata={"help": "weight of the FPSA Jacobian penalty, which "
+                                                                   "trains the map to contract (see the docs)"})
 
 
 def load_digits_split(test_fraction, seed):

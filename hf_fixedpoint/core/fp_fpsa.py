@@ -73,8 +73,11 @@ FPSA_DEFAULTS = {
     "fpsa_jac_weight": 0.0,  # training: weight of the Hutchinson ||J_f||_F^2 / n penalty of each layer's FPSA map
 }
 
-# FPSA's own defaults for the shared fp_* knobs: plain iteration with the official code's tolerance and cap.
-FPSA_FP_DEFAULTS = {"fp_solver": "picard", "fp_tol": 1e-3, "fp_max_iter": 16}
+# FPSA's own defaults for the shared fp_* knobs: the official code's tolerance and cap, and Picard iteration whose
+# per-entry step halves whenever that entry's residual fails to improve (``picard_adaptive``): a converging entry steps
+# exactly as plain Picard does; one caught in an oscillation (measured: the non-converging entries of the MiniLM
+# retrofit sit in layer 0 and alternate) is damped until it converges.
+FPSA_FP_DEFAULTS = {"fp_solver": "picard_adaptive", "fp_tol": 1e-3, "fp_max_iter": 16}
 
 
 def check_fpsa_settings(s: dict) -> None:

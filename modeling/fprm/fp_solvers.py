@@ -1,7 +1,8 @@
 # Source of truth: hf_fixedpoint/core/fp_solvers.py. Verbatim copies live in modeling/*/ so that checkpoints
 # saved with save_pretrained() load with torch + transformers only. Edit here, then run
 # `python -m hf_fixedpoint.vendor`. Allowed imports: stdlib, torch, and `from .fp_<x> import ...`.
-"""Forward fixed-point solvers: ``picard``, ``fpopt``, ``anderson`` and ``broyden``, and the loop they share.
+"""Forward fixed-point solvers: ``picard``, ``fpopt``, ``picard_adaptive``, ``anderson`` and ``broyden``, and the loop
+they share.
 
 ``solve(f, z0, ...)`` finds ``z* = f(z*)`` without building an autograd graph. Convergence is judged per *entry*:
 the first ``batch_dims`` dimensions of ``z`` index independent entries (samples by default; ``batch_dims=2`` on a
@@ -113,6 +114,20 @@ class FPOpt(_Solver):
 
     def halted(self):
         return self.state["s"][:, 0] < self.min_step
+
+
+@SOLVERS.register("picard_adaptive")
+class AdaptivePicard(FPOpt):
+    """Plain Picard iteration for entries that make progress, damped where they do not: each entry's step size halves
+    (``decay``) every time its residual fails to reach a new low (``patience=1``), and no entry is halted.
+
+    A contracting entry steps exactly as ``picard`` does (``z <- f(z)``); an entry caught in an oscillation (a Jacobian
+    eigenvalue near or below -1, as in the first FPSA layer of a pretrained BERT) is damped step by step until it
+    converges. FPSA's default solver. The arguments are ``fpopt``'s with these defaults.
+    """
+
+    def __init__(self, step_size: float = 1.0, patience: int = 1, decay: float = 0.5, min_step: float = 0.0):
+        super().__init__(step_size=step_size, patience=patience, decay=decay, min_step=min_step)
 
 
 @SOLVERS.register("anderson")
@@ -307,7 +322,7 @@ def solve(
         f: the map; called as ``f(z, *args)`` with ``z`` shaped like ``z0`` (fewer rows when ``compact``).
         z0: initial iterate; its first ``batch_dims`` dims index independent entries.
         args: extra inputs of ``f``; with ``compact`` their batch-sized tensors are sliced with ``z``.
-        solver: a name in ``SOLVERS`` (``picard``, ``fpopt``, ``anderson``, ``broyden``).
+        solver: a name in ``SOLVERS`` (``picard``, ``fpopt``, ``picard_adaptive``, ``anderson``, ``broyden``).
         tol: tolerance on the residual (> 0).
         stop_mode: ``rel`` (``||f(z) - z|| / ||f(z)||``) or ``abs`` (``||f(z) - z||``).
         norm: ``l2`` or ``linf``, taken over each entry, or ``token_linf``: the largest relative l-inf residual of

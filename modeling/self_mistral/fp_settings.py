@@ -17,7 +17,7 @@ from .fp_registry import check_number
 from .fp_solvers import SOLVERS, check_solve_args, solver_kwargs_check
 
 FP_DEFAULTS = {
-    "fp_solver": "anderson",  # forward solver: picard | fpopt | anderson | broyden
+    "fp_solver": "anderson",  # forward solver: picard | fpopt | picard_adaptive | anderson | broyden
     "fp_solver_kwargs": None,  # e.g. {"m": 5} (Anderson), {"damping": 0.8} (Picard), {"memory": 20} (Broyden)
     "fp_tol": 1e-4,  # tolerance on the residual
     "fp_stop_mode": "rel",  # rel | abs

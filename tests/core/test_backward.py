@@ -8,7 +8,7 @@ import torch
 from hf_fixedpoint import BACKWARDS, FixedPointWarning, fixed_point
 from tests.core.problems import exact_gradients, rel_err, tanh_problem
 
-SOLVERS = ["picard", "fpopt", "anderson", "broyden"]
+SOLVERS = ["picard", "fpopt", "picard_adaptive", "anderson", "broyden"]
 MODES = ["ift", "phantom", "one_step", "bptt"]
 TIGHT = {"tol": 1e-12, "max_iter": 2000}
 

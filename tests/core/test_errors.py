@@ -54,7 +54,7 @@ def test_batch_dims_larger_than_state():
         solve(F, Z, batch_dims=3)
 
 
-@pytest.mark.parametrize("solver", ["picard", "fpopt", "anderson", "broyden"])
+@pytest.mark.parametrize("solver", ["picard", "fpopt", "picard_adaptive", "anderson", "broyden"])
 def test_nan_names_iteration_and_samples(solver):
     def f(z):
         out = 0.5 * z + 1

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hf_fixedpoint import SOLVERS, solve
 from tests.core.problems import exact_fixed_point, tanh_problem
 
-ALL_SOLVERS = ["picard", "fpopt", "anderson", "broyden"]
+ALL_SOLVERS = ["picard", "fpopt", "picard_adaptive", "anderson", "broyden"]
 
 
 def test_newton_map_sqrt2():
@@ -131,6 +131,27 @@ def test_fpopt_halts_entries_whose_step_vanishes():
                  solver_kwargs={"patience": 1, "decay": 0.5, "min_step": 1e-2})
     assert not s.converged.any()
     assert int(s.nstep.max()) < 1000
+
+
+def test_picard_adaptive_is_picard_while_converging_and_damps_an_oscillation():
+    """On a contraction whose residual falls every step it takes Picard's exact steps; on ``f(z) = -2 z + 3`` (fixed
+    point 1, eigenvalue -2: plain iteration diverges in an oscillation) each entry's step halves until the damped map
+    ``z + s (f(z) - z) = (1 - 3 s) z + 3 s`` contracts (s = 1/2 then 1/4: step factor 1/4), and it converges."""
+    f, W, x = tanh_problem(B=3, D=8, norm=0.5, symmetric=True, inj=0.1)
+    z0 = torch.zeros(3, 8, dtype=torch.float64)
+    za, sa = solve(f, z0, args=(x.detach(),), solver="picard_adaptive", tol=1e-10, max_iter=200, track_trace=True)
+    zp, sp = solve(f, z0, args=(x.detach(),), solver="picard", tol=1e-10, max_iter=200, track_trace=True)
+    torch.testing.assert_close(za, zp, rtol=0, atol=0)
+    assert torch.equal(sa.nstep, sp.nstep)
+    torch.testing.assert_close(sa.trace, sp.trace, rtol=0, atol=0, equal_nan=True)
+    g = lambda z: -2 * z + 3
+    z, s = solve(g, torch.zeros(2, 3, dtype=torch.float64), solver="picard_adaptive", tol=1e-10, max_iter=200)
+    assert bool(s.converged.all()) and int(s.nstep.max()) < 40
+    torch.testing.assert_close(z, torch.ones(2, 3, dtype=torch.float64), rtol=0, atol=1e-9)
+    _, s = solve(g, torch.zeros(2, 3, dtype=torch.float64), solver="picard", tol=1e-10, max_iter=200)
+    assert not s.converged.any()
+    with pytest.raises(ValueError, match="decay"):
+        solve(g, torch.zeros(2, 3), solver="picard_adaptive", solver_kwargs={"decay": 1.5})
 
 
 @pytest.mark.parametrize("mode", ["best", "last"])

@@ -142,7 +142,7 @@ class FixedPointModelTesterMixin:
         grads = [p.grad for p in model.parameters() if p.requires_grad]
         assert all(g is not None and torch.isfinite(g).all() for g in grads)
 
-    @pytest.mark.parametrize("solver", ["picard", "fpopt", "anderson", "broyden"])
+    @pytest.mark.parametrize("solver", ["picard", "fpopt", "picard_adaptive", "anderson", "broyden"])
     def test_every_solver_through_the_config(self, solver):
         model_class = self.model_classes[0][0]
         model = self.build(model_class, fp_solver=solver).eval()
