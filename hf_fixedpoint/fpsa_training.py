@@ -81,6 +81,8 @@ class BertTaskArgs(TrainingArgs):
     train_file: str = field(default=None, metadata={"help": "local csv/json/jsonl training file"})
     validation_file: str = field(default=None, metadata={"help": "local csv/json/jsonl validation file"})
     max_seq_length: int = field(default=128, metadata={"help": "tokens per example (window) after truncation"})
+    fpsa_jac_weight: float = field(default=3.0, metadata={"help": "weight of the FPSA Jacobian penalty, which trains "
+                                                                  "the retrofit's maps to contract (docs/fpsa.md)"})
     max_train_samples: int = field(default=None, metadata={"help": "keep the first N training examples"})
     max_eval_samples: int = field(default=None, metadata={"help": "keep the first N validation examples"})
 

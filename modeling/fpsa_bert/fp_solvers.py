@@ -117,17 +117,32 @@ class FPOpt(_Solver):
 
 
 @SOLVERS.register("picard_adaptive")
-class AdaptivePicard(FPOpt):
-    """Plain Picard iteration for entries that make progress, damped where they do not: each entry's step size halves
-    (``decay``) every time its residual fails to reach a new low (``patience=1``), and no entry is halted.
+class AdaptivePicard(_Solver):
+    """Picard iteration, damped per entry where it oscillates.
 
-    A contracting entry steps exactly as ``picard`` does (``z <- f(z)``); an entry caught in an oscillation (a Jacobian
-    eigenvalue near or below -1, as in the first FPSA layer of a pretrained BERT) is damped step by step until it
-    converges. FPSA's default solver. The arguments are ``fpopt``'s with these defaults.
+    An entry whose residual ``f(z) - z`` points against its previous one (negative cosine: the iterate overshoots and
+    comes back, as with a Jacobian eigenvalue near -1) takes the damped step ``z + damping (f(z) - z)``; every other
+    entry takes the plain step ``f(z)``. A contracting map with aligned steps is iterated exactly as ``picard`` does.
+
+    Args:
+        damping: step size in (0, 1) for oscillating entries.
     """
 
-    def __init__(self, step_size: float = 1.0, patience: int = 1, decay: float = 0.5, min_step: float = 0.0):
-        super().__init__(step_size=step_size, patience=patience, decay=decay, min_step=min_step)
+    def __init__(self, damping: float = 0.5):
+        super().__init__()
+        check_number(damping, "damping", low=0.0, high=1.0, low_open=True, high_open=True)
+        self.damping = float(damping)
+
+    def init(self, z):
+        self.state = {"prev": torch.zeros_like(z)}
+
+    def step(self, z, fz, gz, k):
+        prev = self.state["prev"]
+        flips = (gz * prev).sum(-1) < 0  # cos < 0; the zero initial state counts as aligned
+        self.state["prev"] = gz
+        if not bool(flips.any()):
+            return fz
+        return torch.where(flips[:, None], z + self.damping * gz, fz)
 
 
 @SOLVERS.register("anderson")
