@@ -187,10 +187,11 @@ def iteration_stats(log):
 def generation_settings(cap, damping):
     """(c) runs the plain Picard loop at ``cap`` and, because the untrained retrofit leaves many entries unconverged
     there, a damped Picard loop (``fp_solver_kwargs={"damping": damping}``) at ``4 * cap`` that converges."""
-    settings = [(f"picard, fp_max_iter={cap}", {"fp_max_iter": cap})]
+    settings = [(f"picard, fp_max_iter={cap}", {"fp_max_iter": cap, "fp_overrides": {"fp_solver": "picard"}})]
     if damping:
         settings.append((f"picard damping {damping:g}, fp_max_iter={4 * cap}",
-                         {"fp_max_iter": 4 * cap, "fp_overrides": {"fp_solver_kwargs": {"damping": damping}}}))
+                         {"fp_max_iter": 4 * cap,
+                          "fp_overrides": {"fp_solver": "picard", "fp_solver_kwargs": {"damping": damping}}}))
     return settings
 
 
@@ -239,7 +240,8 @@ def tolerance_sweep(model, batch, new_tokens, cap, damping, tols):
     print(f"    tolerance sweep, damped Picard {damping:g}, fp_max_iter={cap}, {new_tokens} new tokens: "
           "max |cached - one full forward| logits")
     for tol in tols:
-        knobs = {"fp_max_iter": cap, "fp_tol": tol, "fp_overrides": {"fp_solver_kwargs": {"damping": damping}}}
+        knobs = {"fp_max_iter": cap, "fp_tol": tol,
+                 "fp_overrides": {"fp_solver": "picard", "fp_solver_kwargs": {"damping": damping}}}
         out, _, cpu, log = timed_generate(model, batch, new_tokens, True, **knobs)
         with torch.no_grad():
             full = model(out.sequences, **knobs).logits[0, prompt_len - 1:-1]
