@@ -1,7 +1,7 @@
 """Do trained FPSA models converge? Train (or load) FPSA models and print their convergence profile.
 
     python -m benchmarks.bench_fpsa_convergence                       # RID FPSA-1L and FPSA-ViT digits, defaults
-    python -m benchmarks.bench_fpsa_convergence --tasks rid --seeds 0 1 2
+    python -m benchmarks.bench_fpsa_convergence --tasks rid --seeds 0 1 2 --set fpsa_jac_weight=3   # ~7 min a seed
     python -m benchmarks.bench_fpsa_convergence --tasks vit --set fpsa_jac_weight=0 --set fp_backward=bptt
     python -m benchmarks.bench_fpsa_convergence --tasks glue --checkpoint runs/fpsa_sst2   # a fpsa_glue export
 
@@ -270,7 +270,7 @@ def main(argv=None):
     p.add_argument("--tasks", nargs="+", default=["rid", "vit"], choices=["rid", "vit", "glue"])
     p.add_argument("--set", action="append", default=[], help="config knob of the FPSA model, key=value")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
-    p.add_argument("--rid_steps", type=int, default=2000)
+    p.add_argument("--rid_steps", type=int, default=4000)
     p.add_argument("--rid_max_distractors", type=int, default=16)
     p.add_argument("--rid_symbols", type=int, default=16)
     p.add_argument("--vit_epochs", type=float, default=15.0)
