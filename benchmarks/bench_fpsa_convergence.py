@@ -1,7 +1,7 @@
 """Do trained FPSA models converge? Train (or load) FPSA models and print their convergence profile.
 
     python -m benchmarks.bench_fpsa_convergence                       # RID FPSA-1L and FPSA-ViT digits, defaults
-    python -m benchmarks.bench_fpsa_convergence --tasks rid --seeds 0 1 2 --set fpsa_jac_weight=3   # ~7 min a seed
+    python -m benchmarks.bench_fpsa_convergence --tasks rid --seeds 0 1 2     # ~7 min a seed on one CPU core
     python -m benchmarks.bench_fpsa_convergence --tasks vit --set fpsa_jac_weight=0 --set fp_backward=bptt
     python -m benchmarks.bench_fpsa_convergence --tasks glue --checkpoint runs/fpsa_sst2   # a fpsa_glue export
 
@@ -22,8 +22,10 @@ Tasks (trained here with the recipes' model and optimiser defaults unless ``--se
   length in tokens (difficulty). SELF-LLaMA exports are evaluated by ``recipes/self_lora.py`` itself
   (``--eval_fp_max_iter`` / ``--eval_fp_tol``), not here.
 
-``--set key=value`` (repeatable; values parsed as JSON, else strings) overrides config knobs of the FPSA model, e.g.
-``--set fpsa_jac_weight=0 --set fp_backward=bptt --set fp_max_iter=4``. ``--json`` writes every result to a file.
+The FPSA models use FPSA-BERT's / FPSA-ViT's config defaults (``picard_adaptive``, ``fp_tol=1e-3``, cap 16, masked
+``ift``) plus the Jacobian penalty (``fpsa_jac_weight`` 3 for RID, 30 for ViT, as in docs/fpsa.md). ``--set key=value``
+(repeatable; values parsed as JSON, else strings) overrides config knobs of the FPSA model, e.g. ``--set
+fpsa_jac_weight=0 --set fp_backward=bptt --set fp_max_iter=4``. ``--json`` writes every result to a file.
 """
 
 import argparse
@@ -240,6 +242,9 @@ def run_glue(args):
 
 
 TASKS = {"rid": run_rid, "vit": run_vit}
+# The FPSA model's knobs unless --set changes them: the Jacobian penalty weights of docs/fpsa.md ("Convergence"), as
+# recipes/fpsa_vit.py uses for ViT.
+TASK_KNOBS = {"rid": {"fpsa_jac_weight": 3.0}, "vit": {"fpsa_jac_weight": 30.0}}
 
 
 def meets_target(row) -> bool:
@@ -289,7 +294,7 @@ def main(argv=None):
                     continue  # a saved export: nothing random to repeat
                 rows = run_glue(args)
             else:
-                rows = TASKS[task](dict(knobs), args, seed)
+                rows = TASKS[task]({**TASK_KNOBS[task], **knobs}, args, seed)
             results[f"{task}/seed{seed}"] = rows
             for name, row in rows.items():
                 print(f"{task} seed {seed} {name}: " + " ".join(f"{k} {fmt(v)}" for k, v in row.items()), flush=True)
