@@ -1,6 +1,7 @@
 """FPSA-BERT: the shared tests for every head, exactness against transformers' BERT, the fixed point itself against an
 independent loop, every config branch and the bad-input errors."""
 
+import inspect
 import json
 
 import pytest
@@ -303,3 +304,27 @@ def test_real_minilm_retrofit_with_one_iteration_is_the_base_model():
     with torch.no_grad():
         a, b = base(**batch).last_hidden_state, fpsa(**batch).last_hidden_state
     assert a.shape[-1] == 384 and (a - b).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("head", [FPSABertForMaskedLM, FPSABertForSequenceClassification,
+                                  FPSABertForTokenClassification, FPSABertForQuestionAnswering])
+def test_head_forward_signature_names_its_inputs(head):
+    # Trainer(remove_unused_columns=True) and generate() keep only the inputs forward's signature names.
+    params = inspect.signature(head(FPSABertConfig(**TINY)).forward).parameters
+    assert {"input_ids", "attention_mask", "token_type_ids", "inputs_embeds", "fp_overrides"} <= set(params)
+    assert any(name in params for name in ("labels", "start_positions"))
+
+
+def test_standard_output_switches():
+    # config.output_attentions is read like the call argument; return_dict=False gives tuples on every class.
+    config = FPSABertConfig(**TINY, attn_implementation="eager", output_attentions=True)
+    ids = torch.randint(0, 99, (2, 5), generator=torch.Generator().manual_seed(0))
+    for model_class in (FPSABertModel, FPSABertForMaskedLM, FPSABertForSequenceClassification):
+        torch.manual_seed(0)
+        model = model_class(config).eval()
+        with torch.no_grad():
+            out = model(ids)
+            as_tuple = model(ids, return_dict=False)
+        assert len(out.attentions) == 2 and all(a.shape == (2, 4, 5, 5) for a in out.attentions)
+        assert isinstance(as_tuple, tuple)
+        torch.testing.assert_close(as_tuple[0], out[0], rtol=0, atol=0)
