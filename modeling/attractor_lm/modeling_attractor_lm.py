@@ -44,8 +44,9 @@ class AttractorModelOutput(ModelOutput):
     statistics (``nstep``, ``residual``, ``converged`` shaped ``(B, T)``). ``attractor_state`` and ``fp_stats`` are
     ``None`` for a T=0 readout. ``hidden_states`` (``output_hidden_states``): the embeddings, every backbone layer's
     output and every attractor layer's output in one evaluation at the fixed point (the last one replaced by
-    ``last_hidden_state``); ``attentions`` (``output_attentions``): the layers' attention weights, the attractor's
-    at the fixed point. Both are recorded without gradient through the attractor."""
+    ``last_hidden_state``); ``attentions`` (``output_attentions``, with ``attn_implementation="eager"``): the
+    layers' attention weights, the attractor's at the fixed point. Both are recorded without gradient through the
+    attractor."""
 
     last_hidden_state: Optional[torch.FloatTensor] = None
     proposal: Optional[torch.FloatTensor] = None
@@ -91,7 +92,8 @@ class AttractorAttention(nn.Module):
 
     def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, past_kv=None,
                 weights: Optional[list] = None):
-        """``weights``: a list to append this call's attention weights to (computed with eager attention)."""
+        """``weights``: a list to append this call's attention weights to (``None`` unless the attention
+        implementation returns them: ``attn_implementation="eager"``, as in transformers' models)."""
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         q = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)  # (B, nh, T, hd)
@@ -103,8 +105,7 @@ class AttractorAttention(nn.Module):
             k, v = past_key_values.update(k, v, self.layer_idx)
         elif past_kv is not None:
             k, v = torch.cat([past_kv[0], k], dim=-2), torch.cat([past_kv[1], v], dim=-2)
-        attention = eager_attention_forward if weights is not None else ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
         out, attn_weights = attention(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling)
         if weights is not None:
             weights.append(attn_weights)
