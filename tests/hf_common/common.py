@@ -1,0 +1,74 @@
+"""What the ``tests/hf_common`` suites share: a tiny-config tester for ``ModelTesterMixin`` and the causal-LM
+overrides (transformers selects the classes a generic test applies to through its Auto ``*_MAPPING_NAMES`` tables,
+which do not list custom classes)."""
+
+import torch
+
+from tests.hf_common.hf_suite import ensure
+
+ensure()
+
+from hf_common_tests.generation.test_utils import GenerationTesterMixin  # noqa: E402
+from hf_common_tests.test_modeling_common import ModelTesterMixin, ids_tensor  # noqa: E402
+
+
+class TinyTester:
+    """The attributes ModelTesterMixin reads: a config built from ``config_kwargs``, ``inputs(tester, config)``
+    (default: ``input_ids`` and a lower-triangular ``attention_mask``, i.e. rows of every length) and
+    ``reported_layers``, the layer outputs the model reports."""
+
+    def __init__(self, parent, config_class, config_kwargs, inputs=None, batch_size=3, seq_length=7,
+                 reported_layers=None):
+        self.parent, self.config_class, self.config_kwargs = parent, config_class, config_kwargs
+        self.inputs = inputs or (lambda tester, config: {
+            "input_ids": (ids := ids_tensor([tester.batch_size, tester.seq_length], config.vocab_size)),
+            "attention_mask": torch.tril(torch.ones_like(ids))})
+        self.batch_size, self.seq_length, self.is_training = batch_size, seq_length, True
+        config = self.get_config()
+        self.vocab_size = getattr(config, "vocab_size", None)
+        self.hidden_size = config.hidden_size
+        # What output_hidden_states / output_attentions report (len(attentions), len(hidden_states) - 1): a looped
+        # model reports every application of its layers.
+        self.num_hidden_layers = reported_layers or config.num_hidden_layers
+        self.num_attention_heads = config.num_attention_heads
+
+    def get_config(self):
+        return self.config_class(**self.config_kwargs)
+
+    def prepare_config_and_inputs_for_common(self):
+        config = self.get_config()
+        return config, self.inputs(self, config)
+
+
+class CausalLMCommon(ModelTesterMixin, GenerationTesterMixin):
+    """``ModelTesterMixin`` for a base model + causal-LM pair (``lm_class``): labels for the LM, and the training
+    tests restricted to the class that has a loss."""
+
+    test_can_init_all_missing_weights_before_2023 = True  # else the check of gotcha "meta-device init" is skipped
+    lm_class = None
+
+    def _prepare_for_class(self, inputs_dict, model_class, return_labels=False):
+        inputs_dict = super()._prepare_for_class(inputs_dict, model_class, return_labels)
+        if return_labels and model_class is self.lm_class:
+            inputs_dict["labels"] = inputs_dict["input_ids"].clone()
+        return inputs_dict
+
+    def _lm_only(self, test):
+        classes = self.all_model_classes
+        self.all_model_classes = (self.lm_class,)
+        try:
+            test()
+        finally:
+            self.all_model_classes = classes
+
+    def test_training(self):
+        self._lm_only(super().test_training)
+
+    def test_training_gradient_checkpointing(self):
+        self._lm_only(super().test_training_gradient_checkpointing)
+
+    def test_training_gradient_checkpointing_use_reentrant_false(self):
+        self._lm_only(super().test_training_gradient_checkpointing_use_reentrant_false)
+
+    def test_training_gradient_checkpointing_use_reentrant_true(self):
+        self._lm_only(super().test_training_gradient_checkpointing_use_reentrant_true)
