@@ -9,7 +9,10 @@ from tests.hf_common.hf_suite import ensure
 ensure()
 
 from hf_common_tests.generation.test_utils import GenerationTesterMixin  # noqa: E402
-from hf_common_tests.test_modeling_common import ModelTesterMixin, ids_tensor  # noqa: E402
+from hf_common_tests.test_modeling_common import ModelTesterMixin, floats_tensor, ids_tensor  # noqa: E402
+
+__all__ = ["CausalLMCommon", "GenerationTesterMixin", "LossClassesMixin", "ModelTesterMixin", "TinyTester",
+           "floats_tensor", "ids_tensor"]
 
 
 class TinyTester:
@@ -40,35 +43,46 @@ class TinyTester:
         return config, self.inputs(self, config)
 
 
-class CausalLMCommon(ModelTesterMixin, GenerationTesterMixin):
-    """``ModelTesterMixin`` for a base model + causal-LM pair (``lm_class``): labels for the LM, and the training
-    tests restricted to the class that has a loss."""
+class LossClassesMixin:
+    """The training tests run on ``loss_classes`` only: they ask every class for a loss, and transformers' own tests
+    select the classes through the Auto ``*_MAPPING_NAMES`` tables, which do not list custom classes."""
 
-    test_can_init_all_missing_weights_before_2023 = True  # else the check of gotcha "meta-device init" is skipped
-    lm_class = None
+    loss_classes = ()
 
-    def _prepare_for_class(self, inputs_dict, model_class, return_labels=False):
-        inputs_dict = super()._prepare_for_class(inputs_dict, model_class, return_labels)
-        if return_labels and model_class is self.lm_class:
-            inputs_dict["labels"] = inputs_dict["input_ids"].clone()
-        return inputs_dict
-
-    def _lm_only(self, test):
+    def _with_loss_only(self, test):
         classes = self.all_model_classes
-        self.all_model_classes = (self.lm_class,)
+        self.all_model_classes = tuple(self.loss_classes)
         try:
             test()
         finally:
             self.all_model_classes = classes
 
     def test_training(self):
-        self._lm_only(super().test_training)
+        self._with_loss_only(super().test_training)
 
     def test_training_gradient_checkpointing(self):
-        self._lm_only(super().test_training_gradient_checkpointing)
+        self._with_loss_only(super().test_training_gradient_checkpointing)
 
     def test_training_gradient_checkpointing_use_reentrant_false(self):
-        self._lm_only(super().test_training_gradient_checkpointing_use_reentrant_false)
+        self._with_loss_only(super().test_training_gradient_checkpointing_use_reentrant_false)
 
     def test_training_gradient_checkpointing_use_reentrant_true(self):
-        self._lm_only(super().test_training_gradient_checkpointing_use_reentrant_true)
+        self._with_loss_only(super().test_training_gradient_checkpointing_use_reentrant_true)
+
+
+class CausalLMCommon(LossClassesMixin, ModelTesterMixin, GenerationTesterMixin):
+    """``ModelTesterMixin`` for a base model + causal-LM pair (``lm_class``): labels for the LM, and the training
+    tests on the LM."""
+
+    test_can_init_all_missing_weights_before_2023 = True  # else the check of gotcha "meta-device init" is skipped
+    lm_class = None
+
+    @property
+    def loss_classes(self):
+        return (self.lm_class,)
+
+    def _prepare_for_class(self, inputs_dict, model_class, return_labels=False):
+        inputs_dict = super()._prepare_for_class(inputs_dict, model_class, return_labels)
+        if return_labels and model_class is self.lm_class:
+            inputs_dict["labels"] = inputs_dict["input_ids"].clone()
+        return inputs_dict
