@@ -12,18 +12,15 @@ from hf_fixedpoint.modeling import (
     SelfMistralForCausalLM,
     SelfMistralModel,
 )
-from tests.hf_common.common import CausalLMCommon, TinyTester
+from tests.hf_common.common import CausalLMCommon, FixedPointWeightsMixin, TinyTester
 
 # A tiny config with three FPSA iterations per layer.
 TINY = {"vocab_size": 99, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "intermediate_size": 37, "pad_token_id": 0, "fp_max_iter": 3}
 
 
-class _SelfCommon(CausalLMCommon):
-    @unittest.skip("FPSA reports the attention weights at the fixed point through one extra evaluation after the "
-                   "solve; the output itself comes from the solver, so those weights get no gradient from it.")
-    def test_retain_grad_hidden_states_attentions(self):
-        pass
+class _SelfCommon(FixedPointWeightsMixin, CausalLMCommon):  # FPSA reads its weights after the solve
+    pass
 
 
 class SelfLlamaHFTest(_SelfCommon, unittest.TestCase):

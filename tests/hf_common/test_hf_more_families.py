@@ -25,7 +25,14 @@ from hf_fixedpoint.modeling import (
     OuroForCausalLM,
     OuroModel,
 )
-from tests.hf_common.common import CausalLMCommon, LossClassesMixin, ModelTesterMixin, TinyTester, floats_tensor
+from tests.hf_common.common import (
+    CausalLMCommon,
+    FixedPointWeightsMixin,
+    LossClassesMixin,
+    ModelTesterMixin,
+    TinyTester,
+    floats_tensor,
+)
 
 DEQ = {"vocab_size": 99, "hidden_size": 32, "intermediate_size": 37, "num_attention_heads": 4,
        "max_position_embeddings": 64, "fp_max_iter": 8, "pad_token_id": 0}
@@ -37,17 +44,12 @@ OURO = {"vocab_size": 99, "hidden_size": 32, "intermediate_size": 48, "num_hidde
         "pad_token_id": 0}
 
 
-class DEQLMHFTest(CausalLMCommon, unittest.TestCase):
+class DEQLMHFTest(FixedPointWeightsMixin, CausalLMCommon, unittest.TestCase):
     all_model_classes = (DEQLMModel, DEQLMForCausalLM)
     lm_class = DEQLMForCausalLM
 
     def setUp(self):
         self.model_tester = TinyTester(self, DEQLMConfig, DEQ)
-
-    @unittest.skip("the attention weights are read at the fixed point by one extra evaluation after the solve; the "
-                   "output comes from the solver, so those weights get no gradient from it.")
-    def test_retain_grad_hidden_states_attentions(self):
-        pass
 
 
 class AttractorHFTest(CausalLMCommon, unittest.TestCase):
@@ -101,7 +103,7 @@ def _pixels(tester, config):
     return {"pixel_values": floats_tensor([tester.batch_size, 3, 16, 16])}
 
 
-class _FPSACommon(LossClassesMixin, ModelTesterMixin):
+class _FPSACommon(FixedPointWeightsMixin, LossClassesMixin, ModelTesterMixin):
     test_can_init_all_missing_weights_before_2023 = True
 
     @property
@@ -122,11 +124,6 @@ class _FPSACommon(LossClassesMixin, ModelTesterMixin):
             elif model_class is FPSABertForQuestionAnswering:
                 inputs_dict.update(start_positions=zeros, end_positions=zeros)
         return inputs_dict
-
-    @unittest.skip("FPSA reports the attention weights at the fixed point through one extra evaluation after the "
-                   "solve; the output itself comes from the solver, so those weights get no gradient from it.")
-    def test_retain_grad_hidden_states_attentions(self):
-        pass
 
 
 class FPSABertHFTest(_FPSACommon, unittest.TestCase):
