@@ -33,7 +33,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import set_seed
-from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, PreTrainedTokenizerFast
 from transformers.optimization import get_wsd_schedule
@@ -161,6 +161,7 @@ def char_tokenizer():
     vocab = {tok: i for i, tok in enumerate(specials + list(string.printable[:95]) + ["\n"])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()  # characters are joined as they are ("1631", not "1 6 3 1")
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", bos_token="<|im_start|>",
                                    eos_token="<|im_end|>", model_max_length=4096, padding_side="left")
     fast.chat_template = CHATML

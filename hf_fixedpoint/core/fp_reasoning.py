@@ -39,17 +39,20 @@ IGNORE_INDEX = -100
 
 
 def trunc_normal_(t: torch.Tensor, std: float = 1.0, lower: float = -2.0, upper: float = 2.0) -> torch.Tensor:
-    """Truncated normal on ``[lower, upper]`` standard deviations, rescaled so the *actual* std is ``std``."""
+    """Truncated normal on ``[lower, upper]`` standard deviations, rescaled so the *actual* std is ``std``.
+
+    One ``nn.init`` call, so that transformers' ``from_pretrained`` (which guards ``nn.init`` while it fills missing
+    weights) leaves a loaded tensor as it is."""
     with torch.no_grad():
         if std == 0:
-            return t.zero_()
+            return nn.init.zeros_(t)
         a, b = lower / math.sqrt(2), upper / math.sqrt(2)
         z = (math.erf(b) - math.erf(a)) / 2
         pdf_u = math.exp(-(upper**2) / 2) / math.sqrt(2 * math.pi)
         pdf_l = math.exp(-(lower**2) / 2) / math.sqrt(2 * math.pi)
         var = 1 - (upper * pdf_u - lower * pdf_l) / z - ((pdf_u - pdf_l) / z) ** 2
-        nn.init.trunc_normal_(t, mean=0.0, std=1.0, a=lower, b=upper)
-        return t.mul_(std / math.sqrt(var))
+        scale = std / math.sqrt(var)
+        return nn.init.trunc_normal_(t, mean=0.0, std=scale, a=lower * scale, b=upper * scale)
 
 
 def rms_norm(x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
@@ -65,8 +68,10 @@ class CastedLinear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__(in_features, out_features, bias=bias)
-        trunc_normal_(self.weight, std=1.0 / math.sqrt(in_features))
-        if bias:
+
+    def reset_parameters(self):
+        trunc_normal_(self.weight, std=1.0 / math.sqrt(self.in_features))
+        if self.bias is not None:
             nn.init.zeros_(self.bias)
 
     def forward(self, x):
@@ -270,7 +275,7 @@ class PuzzleInput(nn.Module):
         super().__init__()
         self.hidden_size, self.prefix_len = hidden_size, puzzle_emb_len
         self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
-        trunc_normal_(self.embed_tokens.weight, std=1.0 / math.sqrt(hidden_size))
+        init_puzzle_weights(self.embed_tokens)
         self.puzzle_emb = SparsePuzzleEmbedding(num_puzzle_identifiers, puzzle_emb_ndim) if puzzle_emb_len else None
 
     def forward(self, input_ids, puzzle_identifiers=None, dtype=torch.float32):
@@ -285,6 +290,15 @@ class PuzzleInput(nn.Module):
         return math.sqrt(self.hidden_size) * emb
 
 
+class QHaltLinear(CastedLinear):
+    """The Q-halt head's linear map, initialized to weight 0 and bias -5 (as in TRM: halting starts unlikely)."""
+
+    def reset_parameters(self):
+        nn.init.zeros_(self.weight)
+        if self.bias is not None:
+            nn.init.constant_(self.bias, -5.0)
+
+
 class PuzzleHeads(nn.Module):
     """LM head over the non-prefix positions and the Q-halt head (weight 0, bias -5, as in TRM) at position 0, or at
     the last position in a ``causal`` model (the only one that sees the whole puzzle)."""
@@ -293,10 +307,7 @@ class PuzzleHeads(nn.Module):
         super().__init__()
         self.prefix_len, self.q_position = prefix_len, -1 if causal else 0
         self.lm_head = CastedLinear(hidden_size, vocab_size)
-        self.q_head = CastedLinear(hidden_size, 1, bias=True)
-        with torch.no_grad():
-            self.q_head.weight.zero_()
-            self.q_head.bias.fill_(-5.0)
+        self.q_head = QHaltLinear(hidden_size, 1, bias=True)
 
     def forward(self, h):
         return self.lm_head(h[:, self.prefix_len:]), self.q_head(h[:, self.q_position]).float()[:, 0]
@@ -399,6 +410,32 @@ def build_blocks(c, num_layers: int, norm: str, mlp: str = "swiglu", mlp_t: bool
     return nn.ModuleList(blocks)
 
 
+def init_puzzle_weights(module: nn.Module) -> None:
+    """The shared part of the puzzle families' ``_init_weights``: the values the layers draw when they are built
+    (LeCun truncated normal linears, token embeddings with std ``1/sqrt(D)``, the Q-halt head at 0 / -5, a zero
+    puzzle-embedding table, torch's default convolutions). ``from_pretrained`` fills the tensors a checkpoint lacks
+    through it; every call is an ``nn.init`` function, which transformers guards so that loaded tensors stay."""
+    if isinstance(module, (CastedLinear, nn.Conv1d, nn.Conv2d)):
+        module.reset_parameters()
+    elif isinstance(module, nn.Embedding):
+        trunc_normal_(module.weight, std=1.0 / math.sqrt(module.embedding_dim))
+    elif isinstance(module, SparsePuzzleEmbedding):
+        nn.init.zeros_(module.weights)
+
+
+def puzzle_hidden_states(config, out: dict, kwargs: dict):
+    """The standard output switches of a puzzle model's ``forward``: with ``output_hidden_states`` (call argument,
+    else ``config.output_hidden_states``) the input injection and the final state over the puzzle positions,
+    ``(x, h)``, else None. The attention is fused (SDPA), so ``output_attentions=True`` is refused."""
+    if kwargs.get("output_attentions", getattr(config, "output_attentions", False)):
+        raise ValueError("the puzzle models compute attention with fused scaled_dot_product_attention and return no "
+                         "attention weights; call them with output_attentions=False.")
+    if not kwargs.get("output_hidden_states", getattr(config, "output_hidden_states", False)):
+        return None
+    P = config.puzzle_emb_len
+    return out["x"][:, P:], out["h"][:, P:]
+
+
 def relative_change(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     """Per-sample ``max|new - old| / max|new|``: the residual reported by the unrolled (non-solver) loops."""
     dims = tuple(range(1, new.dim()))
@@ -467,11 +504,12 @@ def puzzle_step(base, heads, *, input_ids, puzzle_identifiers=None, labels=None,
     """One supervision step of a puzzle model: (carry reset,) recurrence, heads, halting, loss.
 
     ``base.inner(input_ids, puzzle_identifiers, state, fp_overrides)`` returns a dict: ``h`` the full state
-    ``(B, P + L, D)`` the heads read, ``state`` the detached state to carry, ``stats`` the solve's
-    ``FixedPointStats``, ``done`` an optional per-sample halting signal, ``iterations`` the inner-map evaluations per
-    sample and ``aux_loss`` an optional regularizer added to the loss. Without ``carry`` it is a single
-    call from the fresh state; with ``carry`` the deep-supervision carry is reset for halted slots, advanced and
-    returned. Returns a dict with ``logits, q_halt_logits, loss, metrics, carry, fp_stats, iterations``.
+    ``(B, P + L, D)`` the heads read, ``x`` the input injection (same shape), ``state`` the detached state to carry,
+    ``stats`` the solve's ``FixedPointStats``, ``done`` an optional per-sample halting signal, ``iterations`` the
+    inner-map evaluations per sample and ``aux_loss`` an optional regularizer added to the loss. Without ``carry``
+    it is a single call from the fresh state; with ``carry`` the deep-supervision carry is reset for halted slots,
+    advanced and returned. Returns a dict with ``logits, q_halt_logits, loss, metrics, carry, fp_stats,
+    iterations`` and ``inner`` (the dict ``base.inner`` returned).
     """
     B = input_ids.shape[0]
     state = None
@@ -499,19 +537,34 @@ def puzzle_step(base, heads, *, input_ids, puzzle_identifiers=None, labels=None,
             metrics["aux_loss"] = out["aux_loss"].detach()
             loss = loss + out["aux_loss"]
     return {"logits": logits, "q_halt_logits": q_halt, "loss": loss, "metrics": metrics, "carry": carry,
-            "fp_stats": out["stats"], "iterations": iterations}
+            "fp_stats": out["stats"], "iterations": iterations, "inner": out}
 
 
 class PuzzleCheckpointMixin:
-    """``from_pretrained`` that refuses a ``num_puzzle_identifiers`` differing from the checkpoint's with a clear error
-    (the puzzle-embedding table has one row per id, so the saved table cannot serve another id set)."""
+    """What the puzzle families' ``PreTrainedModel`` classes share: ``_init_weights`` (``init_puzzle_weights`` plus the
+    latents' fixed reset vectors, buffers named ``*_init``), the token embedding through ``get_input_embeddings`` /
+    ``set_input_embeddings``, and a ``from_pretrained`` that refuses a ``num_puzzle_identifiers`` differing from the
+    checkpoint's with a clear error (the puzzle-embedding table has one row per id, so the saved table cannot serve
+    another id set)."""
+
+    def _init_weights(self, module):
+        init_puzzle_weights(module)
+        for name, buffer in module.named_buffers(recurse=False):
+            if name.endswith("_init") and buffer is not None:
+                trunc_normal_(buffer, std=1.0)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.base_model.trunk.input.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.base_model.trunk.input.embed_tokens = value
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         config = kwargs.get("config")
         requested = getattr(config, "num_puzzle_identifiers", None) if config is not None and not isinstance(
             config, str) else kwargs.get("num_puzzle_identifiers")
-        if requested is not None:
+        if requested is not None and pretrained_model_name_or_path is not None:
             hub = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only", "subfolder")
                    if k in kwargs}
             saved = cls.config_class.get_config_dict(pretrained_model_name_or_path, **hub)[0].get(
@@ -535,12 +588,17 @@ class PuzzleSolverMixin:
         device = device if device is not None else self.heads.lm_head.weight.device
         return new_carry(None, batch_size, device)
 
-    def puzzle_forward(self, input_ids, puzzle_identifiers=None, labels=None, carry=None, fp_overrides=None) -> dict:
+    def puzzle_forward(self, input_ids, puzzle_identifiers=None, labels=None, carry=None, fp_overrides=None,
+                       **kwargs) -> dict:
+        """``puzzle_step`` with the config's halting and loss settings; ``kwargs``: the standard output switches
+        (``output_hidden_states``, ``output_attentions``; see ``puzzle_hidden_states``)."""
         c = self.config
-        return puzzle_step(self.model, self.heads, input_ids=input_ids, puzzle_identifiers=puzzle_identifiers,
+        out = puzzle_step(self.model, self.heads, input_ids=input_ids, puzzle_identifiers=puzzle_identifiers,
                            labels=labels, carry=carry, fp_overrides=fp_overrides, halt_max_steps=c.halt_max_steps,
                            exploration_prob=c.halt_exploration_prob, loss_type=c.loss_type,
                            q_loss_weight=c.q_loss_weight, training=self.training)
+        out["hidden_states"] = puzzle_hidden_states(c, out.pop("inner"), kwargs)
+        return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -614,6 +672,7 @@ __all__ = [
     "PuzzleInput",
     "PuzzleSolverMixin",
     "PuzzleTrunk",
+    "QHaltLinear",
     "ReasoningBlock",
     "SequenceMLP",
     "ShortConv",
@@ -622,7 +681,9 @@ __all__ = [
     "act_halt",
     "build_blocks",
     "check_puzzle_config",
+    "init_puzzle_weights",
     "new_carry",
+    "puzzle_hidden_states",
     "puzzle_loss",
     "puzzle_step",
     "relative_change",

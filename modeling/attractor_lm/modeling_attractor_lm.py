@@ -28,6 +28,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
     eager_attention_forward,
 )
+from transformers.utils import can_return_tuple
 
 from .configuration_attractor_lm import AttractorConfig
 from .fp_backward import fixed_point
@@ -41,13 +42,19 @@ class AttractorModelOutput(ModelOutput):
     """``last_hidden_state``: ``RMSNorm(y*)`` ``(B, T, D)`` (``RMSNorm(y0)`` for a T=0 readout); ``proposal``: the
     backbone's ``y0``; ``attractor_state``: ``y*``; ``past_key_values``: the cache; ``fp_stats``: per-token solver
     statistics (``nstep``, ``residual``, ``converged`` shaped ``(B, T)``). ``attractor_state`` and ``fp_stats`` are
-    ``None`` for a T=0 readout."""
+    ``None`` for a T=0 readout. ``hidden_states`` (``output_hidden_states``): the embeddings, every backbone layer's
+    output and every attractor layer's output in one evaluation at the fixed point (the last one replaced by
+    ``last_hidden_state``); ``attentions`` (``output_attentions``, with ``attn_implementation="eager"``): the
+    layers' attention weights, the attractor's at the fixed point. Both are recorded without gradient through the
+    attractor."""
 
     last_hidden_state: Optional[torch.FloatTensor] = None
     proposal: Optional[torch.FloatTensor] = None
     attractor_state: Optional[torch.FloatTensor] = None
     past_key_values: Optional[Cache] = None
     fp_stats: Optional[FixedPointStats] = None
+    hidden_states: Optional[tuple] = None
+    attentions: Optional[tuple] = None
 
 
 @dataclass
@@ -56,6 +63,8 @@ class AttractorCausalLMOutput(ModelOutput):
     logits: Optional[torch.FloatTensor] = None
     past_key_values: Optional[Cache] = None
     fp_stats: Optional[FixedPointStats] = None
+    hidden_states: Optional[tuple] = None
+    attentions: Optional[tuple] = None
 
 
 class AttractorAttention(nn.Module):
@@ -81,7 +90,10 @@ class AttractorAttention(nn.Module):
         self.q_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, past_kv=None):
+    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, past_kv=None,
+                weights: Optional[list] = None):
+        """``weights``: a list to append this call's attention weights to (``None`` unless the attention
+        implementation returns them: ``attn_implementation="eager"``, as in transformers' models)."""
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         q = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)  # (B, nh, T, hd)
@@ -94,7 +106,9 @@ class AttractorAttention(nn.Module):
         elif past_kv is not None:
             k, v = torch.cat([past_kv[0], k], dim=-2), torch.cat([past_kv[1], v], dim=-2)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
-        out, _ = attention(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling)
+        out, attn_weights = attention(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling)
+        if weights is not None:
+            weights.append(attn_weights)
         return self.o_proj(out.reshape(*input_shape, -1).contiguous())
 
 
@@ -143,8 +157,9 @@ class AttractorDecoderLayer(nn.Module):
     def _gate(self, raw, x):
         return x if raw is None else x * (self.gamma_max * torch.sigmoid(raw))
 
-    def forward(self, h, position_embeddings, attention_mask, past_key_values=None, past_kv=None):
-        a = self.self_attn(self.input_layernorm(h), position_embeddings, attention_mask, past_key_values, past_kv)
+    def forward(self, h, position_embeddings, attention_mask, past_key_values=None, past_kv=None, weights=None):
+        a = self.self_attn(self.input_layernorm(h), position_embeddings, attention_mask, past_key_values, past_kv,
+                           weights)
         h = h + self._gate(self.raw_gamma_attn, a)
         return h + self._gate(self.raw_gamma_mlp, self.mlp(self.post_attention_layernorm(h)))
 
@@ -184,9 +199,10 @@ class AttractorModel(AttractorPreTrainedModel):
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.post_init()
 
-    def attractor_map(self, y, y0, cos, sin, mask, *past, cache=None):
+    def attractor_map(self, y, y0, cos, sin, mask, *past, cache=None, record=None):
         """``T_a(y, y0)``. ``past``: per attractor layer, cached keys then values of earlier tokens (read only);
-        ``cache``: a ``Cache`` to write this call's keys/values into (used once, at the fixed point)."""
+        ``cache``: a ``Cache`` to write this call's keys/values into (used once, at the fixed point); ``record``:
+        ``{"hidden_states": [...], "attentions": [...]}`` lists to append the layers' outputs and weights to."""
         inj = self.config.injection
         if inj == "add":
             u = y + y0
@@ -198,9 +214,13 @@ class AttractorModel(AttractorPreTrainedModel):
         h = u
         for i, layer in enumerate(self.attractor):
             past_kv = (past[i], past[n + i]) if past else None
-            h = layer(h, (cos, sin), mask, past_key_values=cache, past_kv=past_kv)
+            h = layer(h, (cos, sin), mask, past_key_values=cache, past_kv=past_kv,
+                      weights=None if record is None else record["attentions"])
+            if record is not None:
+                record["hidden_states"].append(h)
         return h - y
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: Optional[torch.LongTensor] = None,
@@ -211,6 +231,8 @@ class AttractorModel(AttractorPreTrainedModel):
         use_cache: Optional[bool] = None,
         fp_overrides: Optional[dict] = None,
         readout_iters: Optional[int] = None,
+        output_hidden_states: Optional[bool] = None,
+        output_attentions: Optional[bool] = None,
         **kwargs,
     ) -> AttractorModelOutput:
         if (input_ids is None) == (inputs_embeds is None):
@@ -235,14 +257,21 @@ class AttractorModel(AttractorPreTrainedModel):
                                   past_key_values=past_key_values, position_ids=position_ids)
         cos, sin = self.rotary_emb(inputs_embeds, position_ids)  # (B, T, hd) each
 
+        want_hidden = self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        want_attn = self.config.output_attentions if output_attentions is None else output_attentions
+        record = {"hidden_states": [inputs_embeds], "attentions": []} if want_hidden or want_attn else None
+
         # Backbone T_b: the proposal y0 (the cache is read and written as in any causal LM).
         h = inputs_embeds
         for layer in self.backbone:
-            h = layer(h, (cos, sin), mask, past_key_values=past_key_values)
+            h = layer(h, (cos, sin), mask, past_key_values=past_key_values,
+                      weights=record["attentions"] if want_attn else None)
+            if record is not None:
+                record["hidden_states"].append(h)
         y0 = h
         if readout_iters == 0:  # T=0 readout: decode the proposal
-            return AttractorModelOutput(last_hidden_state=self.norm(y0), proposal=y0,
-                                        past_key_values=past_key_values)
+            return self._output(record, want_hidden, want_attn, last_hidden_state=self.norm(y0), proposal=y0,
+                                past_key_values=past_key_values)
 
         # Attractor T_a: per-token fixed point from y0, iterating against the attractor's cached keys/values.
         past = ()
@@ -261,11 +290,22 @@ class AttractorModel(AttractorPreTrainedModel):
             fp_kwargs["backward_kwargs"]["clip"] = self.config.adjoint_clip
         y_star, stats = fixed_point(self.attractor_map, y0, args=(y0, cos, sin, mask, *past), batch_dims=2,
                                     compact=True, **fp_kwargs)
-        if past_key_values is not None:  # write the attractor's keys/values once, at the fixed point
+        if past_key_values is not None or record is not None:
+            # One evaluation at the fixed point: writes the attractor's keys/values once, records the outputs.
             with torch.no_grad():
-                self.attractor_map(y_star.detach(), y0.detach(), cos, sin, mask, cache=past_key_values)
-        return AttractorModelOutput(last_hidden_state=self.norm(y_star), proposal=y0, attractor_state=y_star,
-                                    past_key_values=past_key_values, fp_stats=stats)
+                self.attractor_map(y_star.detach(), y0.detach(), cos, sin, mask, cache=past_key_values,
+                                   record=record)
+        return self._output(record, want_hidden, want_attn, last_hidden_state=self.norm(y_star), proposal=y0,
+                            attractor_state=y_star, past_key_values=past_key_values, fp_stats=stats)
+
+    @staticmethod
+    def _output(record, want_hidden, want_attn, **fields) -> AttractorModelOutput:
+        out = AttractorModelOutput(**fields)
+        if want_hidden:
+            out.hidden_states = (*record["hidden_states"][:-1], out.last_hidden_state)
+        if want_attn:
+            out.attentions = tuple(record["attentions"])
+        return out
 
 
 class AttractorForCausalLM(AttractorPreTrainedModel, GenerationMixin):
@@ -277,6 +317,7 @@ class AttractorForCausalLM(AttractorPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: Optional[torch.LongTensor] = None,
@@ -289,22 +330,27 @@ class AttractorForCausalLM(AttractorPreTrainedModel, GenerationMixin):
         logits_to_keep: int = 0,
         fp_overrides: Optional[dict] = None,
         readout_iters: Optional[int] = None,
+        output_hidden_states: Optional[bool] = None,
+        output_attentions: Optional[bool] = None,
         **kwargs,
     ) -> AttractorCausalLMOutput:
         """``fp_overrides`` (e.g. ``{"fp_max_iter": 32}``) and ``readout_iters`` (0: decode the backbone proposal,
-        ``k``: at most ``k`` solver iterations) change this call only; ``generate`` passes them to every step."""
+        ``k``: at most ``k`` solver iterations) change this call only; ``generate`` passes them to every step.
+        ``kwargs`` reach the loss (``num_items_in_batch``, ``shift_labels``, ``ignore_index``)."""
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                         fp_overrides=fp_overrides, readout_iters=readout_iters)
+                         fp_overrides=fp_overrides, readout_iters=readout_iters,
+                         output_hidden_states=output_hidden_states, output_attentions=output_attentions)
         hidden = out.last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         logits = self.lm_head(hidden)
         loss = None
         if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return AttractorCausalLMOutput(loss=loss, logits=logits, past_key_values=out.past_key_values,
-                                       fp_stats=out.fp_stats)
+                                       fp_stats=out.fp_stats, hidden_states=out.hidden_states,
+                                       attentions=out.attentions)
 
 
 __all__ = ["AttractorForCausalLM", "AttractorModel", "AttractorPreTrainedModel"]

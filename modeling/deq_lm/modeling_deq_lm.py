@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import ModelOutput
+from transformers.utils import can_return_tuple
 
 from .configuration_deq_lm import DEQLMConfig
 from .fp_backward import fixed_point
@@ -22,10 +23,14 @@ from .fp_stats import FixedPointStats
 
 @dataclass
 class DEQLMModelOutput(ModelOutput):
-    """``last_hidden_state``: normalized fixed point ``(B, T, D)``; ``fp_stats``: the solve's statistics."""
+    """``last_hidden_state``: normalized fixed point ``(B, T, D)``; ``fp_stats``: the solve's statistics;
+    ``hidden_states`` (``output_hidden_states``): the injection ``x`` and ``last_hidden_state``; ``attentions``
+    (``output_attentions``): the block's attention weights at the fixed point ``(B, nh, T, T)``."""
 
     last_hidden_state: Optional[torch.FloatTensor] = None
     fp_stats: Optional[FixedPointStats] = None
+    hidden_states: Optional[tuple] = None
+    attentions: Optional[tuple] = None
 
 
 @dataclass
@@ -33,6 +38,8 @@ class DEQLMCausalLMOutput(ModelOutput):
     loss: Optional[torch.FloatTensor] = None
     logits: Optional[torch.FloatTensor] = None
     fp_stats: Optional[FixedPointStats] = None
+    hidden_states: Optional[tuple] = None
+    attentions: Optional[tuple] = None
 
 
 class DEQLMAttention(nn.Module):
@@ -45,14 +52,20 @@ class DEQLMAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
         self.o_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
 
-    def forward(self, hidden_states: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+    def _split(self, proj, hidden_states):
         B, T, _ = hidden_states.shape
-        shape = (B, T, self.num_heads, self.head_dim)
-        q = self.q_proj(hidden_states).view(shape).transpose(1, 2)  # (B, nh, T, hd)
-        k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
-        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        return proj(hidden_states).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+
+    def forward(self, hidden_states: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+        q, k, v = (self._split(proj, hidden_states) for proj in (self.q_proj, self.k_proj, self.v_proj))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        return self.o_proj(out.transpose(1, 2).flatten(2))
+
+    def weights(self, hidden_states: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+        """The softmax weights ``forward`` uses, ``(B, nh, T, T)`` (for ``output_attentions``)."""
+        q, k = self._split(self.q_proj, hidden_states), self._split(self.k_proj, hidden_states)
+        scores = (q @ k.transpose(-1, -2)) / self.head_dim**0.5
+        return scores.masked_fill(~attn_mask, float("-inf")).softmax(-1)
 
 
 class DEQLMMLP(nn.Module):
@@ -96,24 +109,40 @@ class DEQLMModel(DEQLMPreTrainedModel):
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_init()
 
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    @can_return_tuple
     def forward(
         self,
         input_ids: Optional[torch.LongTensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.LongTensor] = None,
         inputs_embeds: Optional[torch.FloatTensor] = None,
         fp_overrides: Optional[dict] = None,
+        output_hidden_states: Optional[bool] = None,
+        output_attentions: Optional[bool] = None,
         **kwargs,
     ) -> DEQLMModelOutput:
+        """Without ``position_ids``, positions count the unmasked tokens of ``attention_mask`` (left padding gives
+        the positions of the unpadded sequence); ``return_dict=False`` gives a tuple."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds.")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         B, T, _ = inputs_embeds.shape
-        if T > self.config.max_position_embeddings:
+        if position_ids is None and attention_mask is not None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+        elif position_ids is None:
+            position_ids = torch.arange(T, device=inputs_embeds.device)[None]
+        if T > self.config.max_position_embeddings or int(position_ids.max()) >= self.config.max_position_embeddings:
             raise ValueError(
                 f"sequence length {T} exceeds max_position_embeddings={self.config.max_position_embeddings}."
             )
-        x = inputs_embeds + self.embed_positions(torch.arange(T, device=inputs_embeds.device))
+        x = inputs_embeds + self.embed_positions(position_ids)
         # (B, 1, T, T) bool mask: causal, and padded keys masked out (a fully padded row keeps its diagonal).
         mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()[None, None].expand(B, 1, T, T)
         if attention_mask is not None:
@@ -121,7 +150,12 @@ class DEQLMModel(DEQLMPreTrainedModel):
             mask = mask | torch.eye(T, dtype=torch.bool, device=x.device)
         kwargs_fp = fixed_point_kwargs(self.config, self.training, fp_overrides)
         z, stats = fixed_point(self.block, torch.zeros_like(x), args=(x, mask), compact=True, **kwargs_fp)
-        return DEQLMModelOutput(last_hidden_state=self.norm(z), fp_stats=stats)
+        out = DEQLMModelOutput(last_hidden_state=self.norm(z), fp_stats=stats)
+        if self.config.output_hidden_states if output_hidden_states is None else output_hidden_states:
+            out.hidden_states = (x, out.last_hidden_state)
+        if self.config.output_attentions if output_attentions is None else output_attentions:
+            out.attentions = (self.block.attn.weights(self.block.norm1(z), mask),)
+        return out
 
 
 class DEQLMForCausalLM(DEQLMPreTrainedModel, GenerationMixin):
@@ -133,25 +167,32 @@ class DEQLMForCausalLM(DEQLMPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: Optional[torch.LongTensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.LongTensor] = None,
         inputs_embeds: Optional[torch.FloatTensor] = None,
         labels: Optional[torch.LongTensor] = None,
         fp_overrides: Optional[dict] = None,
+        output_hidden_states: Optional[bool] = None,
+        output_attentions: Optional[bool] = None,
         **kwargs,
     ) -> DEQLMCausalLMOutput:
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
-                         fp_overrides=fp_overrides)
+        """``kwargs`` reach the loss (``num_items_in_batch``, ``shift_labels``, ``ignore_index``)."""
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         inputs_embeds=inputs_embeds, fp_overrides=fp_overrides,
+                         output_hidden_states=output_hidden_states, output_attentions=output_attentions)
         logits = self.lm_head(out.last_hidden_state)
         loss = None
         if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
-        return DEQLMCausalLMOutput(loss=loss, logits=logits, fp_stats=out.fp_stats)
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return DEQLMCausalLMOutput(loss=loss, logits=logits, fp_stats=out.fp_stats, hidden_states=out.hidden_states,
+                                   attentions=out.attentions)
 
     def prepare_inputs_for_generation(self, input_ids, attention_mask=None, fp_overrides=None, **kwargs):
-        # No KV cache: a fixed point is recomputed over the whole prefix at every step.
+        # No KV cache: a fixed point is recomputed over the whole prefix at every step (positions from the mask).
         return {"input_ids": input_ids, "attention_mask": attention_mask, "fp_overrides": fp_overrides}
 
 

@@ -19,8 +19,10 @@ from typing import Optional
 import torch
 from torch import nn
 from transformers import PreTrainedModel
+from transformers import initialization as init
 from transformers.modeling_outputs import ModelOutput
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from transformers.utils import can_return_tuple
 
 from .configuration_fprm import WINDOW_SOLVERS, FPRMConfig
 from .fp_backward import fixed_point
@@ -31,6 +33,7 @@ from .fp_reasoning import (
     PuzzleTrunk,
     ShortConv,
     build_blocks,
+    puzzle_hidden_states,
     rms_norm,
     trunc_normal_,
 )
@@ -48,6 +51,7 @@ class FPRMModelOutput(ModelOutput):
     state: Optional[dict] = None
     fp_stats: Optional[FixedPointStats] = None
     iterations: Optional[torch.LongTensor] = None
+    hidden_states: Optional[tuple] = None
 
 
 @dataclass
@@ -62,6 +66,7 @@ class FPRMPuzzleOutput(ModelOutput):
     carry: Optional[dict] = None
     fp_stats: Optional[FixedPointStats] = None
     iterations: Optional[torch.LongTensor] = None
+    hidden_states: Optional[tuple] = None
 
 
 class FPRMPreTrainedModel(PuzzleCheckpointMixin, PreTrainedModel):
@@ -70,8 +75,16 @@ class FPRMPreTrainedModel(PuzzleCheckpointMixin, PreTrainedModel):
     _no_split_modules = ["ReasoningBlock"]
     _supports_sdpa = True
 
+    @torch.no_grad()
     def _init_weights(self, module):
-        pass  # layers initialize themselves (LeCun truncated normal, TRM's Q-head init)
+        super()._init_weights(module)
+        if isinstance(getattr(module, "alpha_logits", None), torch.Tensor):
+            init.copy_(module.alpha_logits, self._alpha_logits())
+
+    def _alpha_logits(self):
+        """``(2, D)``: the logits of ``alpha_1_init`` and ``alpha_2_init``, one row each."""
+        c = self.config
+        return torch.tensor([c.alpha_1_init, c.alpha_2_init]).logit()[:, None].repeat(1, c.hidden_size)
 
 
 class FPRMModel(FPRMPreTrainedModel):
@@ -86,7 +99,7 @@ class FPRMModel(FPRMPreTrainedModel):
                     nn.utils.parametrizations.spectral_norm(module)
         self.conv = (ShortConv(c.hidden_size, c.conv, c.conv_kernel, c.puzzle_emb_len, c.grid_shape, c.causal)
                      if c.conv != "none" else None)
-        logits = torch.tensor([c.alpha_1_init, c.alpha_2_init]).logit()[:, None].repeat(1, c.hidden_size)
+        logits = self._alpha_logits()
         if c.residual_scale == "learned":
             self.alpha_logits = nn.Parameter(logits)
         else:
@@ -130,9 +143,14 @@ class FPRMModel(FPRMPreTrainedModel):
         dtype = self.trunk.dtype
         if c.init_mode == "fixed":
             y = self.y_init.to(device, dtype).expand(batch_size, S, D).clone()
+        elif self.training:
+            y = (torch.randn(batch_size, S, D, device=device) * c.init_std).to(dtype)
         else:
-            g = None if self.training else torch.Generator(device=device).manual_seed(c.seed)
-            y = (torch.randn(batch_size, S, D, generator=g, device=device) * c.init_std).to(dtype)
+            # Evaluation: one draw from the seeded generator, shared by every slot, so a puzzle's output does not
+            # depend on the batch it is in (nor on its slot). A batch of one gets the same noise as before.
+            g = torch.Generator(device=device).manual_seed(c.seed)
+            y = (torch.randn(1, S, D, generator=g, device=device) * c.init_std).to(dtype).expand(batch_size, S, D)
+            y = y.clone()
         state = {"y": y, "iterations": torch.zeros(batch_size, dtype=torch.long, device=device)}
         kw = self._solver(None)
         if kw["solver"] in WINDOW_SOLVERS:
@@ -176,7 +194,7 @@ class FPRMModel(FPRMPreTrainedModel):
                                 tol=kw["tol"], stop_mode=kw["stop_mode"])
         new_state = {"y": y.detach(), "iterations": total + used,
                      **{f"solver_{k}": v.detach() for k, v in algo.state.items()}}
-        return {"h": y, "state": new_state, "stats": stats, "done": done, "iterations": used}
+        return {"h": y, "x": x, "state": new_state, "stats": stats, "done": done, "iterations": used}
 
     def inner(self, input_ids, puzzle_identifiers=None, state=None, fp_overrides=None):
         """The dict ``puzzle_step`` reads: ``h, state, stats, done, iterations`` (see the module docstring)."""
@@ -187,13 +205,18 @@ class FPRMModel(FPRMPreTrainedModel):
         new_state = self.fresh_state(x.shape[0], x.device, input_ids.shape[1]) if state is None else dict(state)
         y, stats = fixed_point(self.step_map, new_state["y"], args=(x,), **kw)
         new_state.update(y=y.detach(), iterations=new_state["iterations"] + stats.nstep)
-        return {"h": y, "state": new_state, "stats": stats, "done": stats.converged, "iterations": stats.nstep}
+        return {"h": y, "x": x, "state": new_state, "stats": stats, "done": stats.converged,
+                "iterations": stats.nstep}
 
+    @can_return_tuple
     def forward(self, input_ids: torch.LongTensor, puzzle_identifiers: Optional[torch.LongTensor] = None,
-                state: Optional[dict] = None, fp_overrides: Optional[dict] = None) -> FPRMModelOutput:
+                state: Optional[dict] = None, fp_overrides: Optional[dict] = None, **kwargs) -> FPRMModelOutput:
+        """``kwargs``: the standard output switches (``output_hidden_states``: the input injection and the final
+        state; ``return_dict``)."""
         out = self.inner(input_ids, puzzle_identifiers, state, fp_overrides)
         return FPRMModelOutput(last_hidden_state=out["h"][:, self.config.puzzle_emb_len:], state=out["state"],
-                               fp_stats=out["stats"], iterations=out["iterations"])
+                               fp_stats=out["stats"], iterations=out["iterations"],
+                              hidden_states=puzzle_hidden_states(self.config, out, kwargs))
 
 
 class FPRMForPuzzles(PuzzleSolverMixin, FPRMPreTrainedModel):
@@ -209,10 +232,12 @@ class FPRMForPuzzles(PuzzleSolverMixin, FPRMPreTrainedModel):
         self.heads = PuzzleHeads(config.hidden_size, config.vocab_size, config.puzzle_emb_len, config.causal)
         self.post_init()
 
+    @can_return_tuple
     def forward(self, input_ids: torch.LongTensor, puzzle_identifiers: Optional[torch.LongTensor] = None,
                 labels: Optional[torch.LongTensor] = None, carry: Optional[dict] = None,
-                fp_overrides: Optional[dict] = None) -> FPRMPuzzleOutput:
-        return FPRMPuzzleOutput(**self.puzzle_forward(input_ids, puzzle_identifiers, labels, carry, fp_overrides))
+                fp_overrides: Optional[dict] = None, **kwargs) -> FPRMPuzzleOutput:
+        return FPRMPuzzleOutput(**self.puzzle_forward(input_ids, puzzle_identifiers, labels, carry, fp_overrides,
+                                                     **kwargs))
 
 
 __all__ = ["FPRMForPuzzles", "FPRMModel", "FPRMPreTrainedModel"]

@@ -624,21 +624,48 @@ class FPSAHeadMixin:
 
     output_class = None
 
+    def __init_subclass__(cls, **kwargs):
+        # Trainer(remove_unused_columns=True) and generate() keep only the inputs named in forward's signature: give
+        # each head a forward whose signature is the transformers head's own plus ``fp_overrides``.
+        import inspect
+
+        super().__init_subclass__(**kwargs)
+        if "forward" in cls.__dict__:
+            return
+        head = inspect.signature(super(FPSAHeadMixin, cls).forward)
+        params = [p for p in head.parameters.values() if p.kind != p.VAR_KEYWORD]
+        params.append(inspect.Parameter("fp_overrides", inspect.Parameter.KEYWORD_ONLY, default=None,
+                                        annotation=Optional[dict]))
+        params += [p for p in head.parameters.values() if p.kind == p.VAR_KEYWORD]
+
+        def forward(self, *args, **kwargs):
+            return FPSAHeadMixin.forward(self, *args, **kwargs)
+
+        forward.__signature__ = head.replace(parameters=params, return_annotation=cls.output_class)
+        forward.__doc__ = FPSAHeadMixin.forward.__doc__
+        forward.__qualname__ = f"{cls.__qualname__}.forward"
+        cls.forward = forward
+
     def fpsa_margin_fn(self) -> Optional[Callable]:
         """Learned halting: the task head applied to an iterate, for the logit-margin feature (None: no margin)."""
         return None
 
     def forward(self, *args, fp_overrides: Optional[dict] = None, **kwargs):
+        """The transformers head's ``forward`` with ``fp_overrides`` (per-call fixed-point settings); the output adds
+        ``fp_stats``. ``return_dict=False`` (or ``config.return_dict=False``) gives a tuple."""
         stats = FPSAStats()
         learned = self.config.fpsa_halting == "learned"
         if learned and self.fpsa_margin_fn() is not None:
             kwargs["fpsa_margin_fn"] = self.fpsa_margin_fn()
+        return_dict = kwargs.pop("return_dict", None)
+        return_dict = getattr(self.config, "return_dict", True) if return_dict is None else return_dict
         kwargs["return_dict"] = True
         out = self.output_class(**super().forward(*args, fp_overrides=fp_overrides, fpsa_stats=stats, **kwargs),
                                 fp_stats=stats)
         if out.loss is not None and learned:
             out.loss = out.loss + ponder_loss(stats, self.config.fpsa_ponder_budget, self.config.fpsa_ponder_weight)
-        return with_jac_penalty(out, stats, self.config.fpsa_jac_weight)
+        out = with_jac_penalty(out, stats, self.config.fpsa_jac_weight)
+        return out if return_dict else out.to_tuple()
 
 
 def remove_spectral_norm(model: nn.Module) -> None:

@@ -42,6 +42,7 @@ from transformers.models.bert.modeling_bert import (
     BertSelfOutput,
     eager_attention_forward,
 )
+from transformers.utils import can_return_tuple
 
 from .configuration_fpsa_bert import FPSABertConfig
 from .fp_fpsa import (
@@ -89,7 +90,8 @@ class FPSABertSelfAttention(BertSelfAttention):
             attention_fn=attention_fn, scaling=self.scaling, fp_kwargs=fpsa_fp_kwargs,
             attention_mask=attention_mask, log_temperature=self.fpsa_log_tau, update=config.fpsa_update,
             step_norm=config.fpsa_step_norm, dropout=self.dropout.p if self.training else 0.0,
-            adjoint_mask=config.fpsa_adjoint_mask, return_weights=bool(kwargs.get("output_attentions")),
+            adjoint_mask=config.fpsa_adjoint_mask,
+            return_weights=bool(kwargs.get("output_attentions", config.output_attentions)),  # as output capturing
             halting=config.fpsa_halting, halting_gate=self.fpsa_halt_gate, halt_threshold=config.fpsa_halt_threshold,
             margin_fn=fpsa_margin_fn, attention_kwargs=kwargs, jac_penalty=config.fpsa_jac_weight > 0,
             halt_unit=config.fpsa_halt_unit,
@@ -179,6 +181,7 @@ class FPSABertModel(FPSABertPreTrainedModel, BertModel):
         self.pooler = BertPooler(config) if add_pooling_layer else None
         self.post_init()
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                 fp_overrides: Optional[dict] = None, fpsa_stats: Optional[FPSAStats] = None, **kwargs):
         stats = FPSAStats() if fpsa_stats is None else fpsa_stats

@@ -22,6 +22,7 @@ from transformers.models.vit.modeling_vit import (
     ViTPooler,
     eager_attention_forward,
 )
+from transformers.utils import can_return_tuple
 
 from .configuration_fpsa_vit import FPSAViTConfig
 from .fp_fpsa import (
@@ -70,7 +71,8 @@ class FPSAViTAttention(ViTAttention):
             attention_fn=attention_fn, scaling=self.scaling, fp_kwargs=fpsa_fp_kwargs,
             attention_mask=attention_mask, log_temperature=self.fpsa_log_tau, update=config.fpsa_update,
             step_norm=config.fpsa_step_norm, dropout=self.attention_dropout if self.training else 0.0,
-            adjoint_mask=config.fpsa_adjoint_mask, return_weights=bool(kwargs.get("output_attentions")),
+            adjoint_mask=config.fpsa_adjoint_mask,
+            return_weights=bool(kwargs.get("output_attentions", config.output_attentions)),  # as output capturing
             halting=config.fpsa_halting, halting_gate=self.fpsa_halt_gate, halt_threshold=config.fpsa_halt_threshold,
             margin_fn=fpsa_margin_fn, attention_kwargs=kwargs, jac_penalty=config.fpsa_jac_weight > 0,
             halt_unit=config.fpsa_halt_unit,
@@ -124,10 +126,10 @@ class FPSAViTModel(FPSAViTPreTrainedModel, ViTModel):
         self.pooler = ViTPooler(config) if add_pooling_layer else None
         self.post_init()
 
+    @can_return_tuple
     def forward(self, pixel_values=None, bool_masked_pos=None, interpolate_pos_encoding=None, attention_mask=None,
                 fp_overrides: Optional[dict] = None, fpsa_stats: Optional[FPSAStats] = None, **kwargs):
         stats = FPSAStats() if fpsa_stats is None else fpsa_stats
-        kwargs.pop("return_dict", None)
         out = super().forward(pixel_values, bool_masked_pos=bool_masked_pos,
                               interpolate_pos_encoding=interpolate_pos_encoding, attention_mask=attention_mask,
                               fpsa_fp_kwargs=fixed_point_kwargs(self.config, self.training, fp_overrides),

@@ -35,6 +35,8 @@ from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import ModelOutput
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.utils import can_return_tuple
+from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_ouro import OuroConfig
 from .fp_registry import check_number
@@ -57,6 +59,8 @@ class OuroModelOutput(ModelOutput):
     loop_hidden_states: Optional[tuple] = None
     gate_logits: Optional[torch.FloatTensor] = None
     loop_step: Optional[Callable] = None
+    hidden_states: Optional[tuple] = None
+    attentions: Optional[tuple] = None
 
 
 @dataclass
@@ -78,6 +82,8 @@ class OuroCausalLMOutput(ModelOutput):
     exit_pdf: Optional[torch.FloatTensor] = None
     loop_logits: Optional[tuple] = None
     loop_step: Optional[Callable] = None
+    hidden_states: Optional[tuple] = None
+    attentions: Optional[tuple] = None
 
 
 def exit_distribution(gate_logits: torch.Tensor) -> torch.Tensor:
@@ -139,6 +145,8 @@ class OuroPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = True
     _supports_flex_attn = True
     _supports_attention_backend = True
+    # output_hidden_states / output_attentions: every (loop, layer) application, in order (transformers' capture).
+    _can_record_outputs = {"hidden_states": OuroDecoderLayer, "attentions": LlamaAttention}
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
@@ -207,6 +215,7 @@ class OuroModel(OuroPreTrainedModel):
                                   past_key_values=None, position_ids=position_ids)
         return self.loop(hidden_states, mask, self.rotary_emb(hidden_states, position_ids=position_ids))
 
+    @capture_outputs
     def forward(
         self,
         input_ids: Optional[torch.LongTensor] = None,
@@ -261,6 +270,7 @@ class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: Optional[torch.LongTensor] = None,
@@ -295,7 +305,7 @@ class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
         """
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                         total_ut_steps=total_ut_steps, **kwargs)
+                         total_ut_steps=total_ut_steps, return_dict=True, **kwargs)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         states = [h[:, keep] for h in out.loop_hidden_states]
         pdf = exit_distribution(out.gate_logits[:, keep])
@@ -334,7 +344,8 @@ class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
         return OuroCausalLMOutput(loss=loss, logits=logits, past_key_values=out.past_key_values,
                                   loop_hidden_states=out.loop_hidden_states, gate_logits=out.gate_logits,
                                   exit_pdf=pdf, loop_logits=tuple(loop_logits) if output_loop_logits else None,
-                                  loop_step=out.loop_step)
+                                  loop_step=out.loop_step, hidden_states=out.hidden_states,
+                                  attentions=out.attentions)
 
     def _expected_loss(self, loop_logits, pdf, labels):
         """Paper stage I: mean over target tokens of ``sum_t p_t * CE_t - entropy_weight * H(p)``."""

@@ -15,6 +15,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import ModelOutput
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from transformers.utils import can_return_tuple
 
 from .configuration_trm import TRMConfig
 from .fp_backward import fixed_point
@@ -25,6 +26,7 @@ from .fp_reasoning import (
     PuzzleSolverMixin,
     PuzzleTrunk,
     build_blocks,
+    puzzle_hidden_states,
     relative_change,
     trunc_normal_,
 )
@@ -43,6 +45,7 @@ class TRMModelOutput(ModelOutput):
     fp_stats: Optional[FixedPointStats] = None
     iterations: Optional[torch.LongTensor] = None
     aux_loss: Optional[torch.FloatTensor] = None
+    hidden_states: Optional[tuple] = None
 
 
 @dataclass
@@ -56,6 +59,7 @@ class TRMPuzzleOutput(ModelOutput):
     carry: Optional[dict] = None
     fp_stats: Optional[FixedPointStats] = None
     iterations: Optional[torch.LongTensor] = None
+    hidden_states: Optional[tuple] = None
 
 
 class TRMPreTrainedModel(PuzzleCheckpointMixin, PreTrainedModel):
@@ -63,9 +67,6 @@ class TRMPreTrainedModel(PuzzleCheckpointMixin, PreTrainedModel):
     base_model_prefix = "model"
     _no_split_modules = ["ReasoningBlock"]
     _supports_sdpa = True
-
-    def _init_weights(self, module):
-        pass  # layers initialize themselves (LeCun truncated normal, TRM's Q-head init)
 
 
 class TRMModel(TRMPreTrainedModel):
@@ -129,14 +130,18 @@ class TRMModel(TRMPreTrainedModel):
                 frob = jacobian_frobenius(lambda t: self.net(t, inj), z.detach(), create_graph=True)
             aux = c.jacobian_reg_weight * (frob / z[0].numel()).mean()
         y = self.net(y, z)
-        return {"h": y, "state": {"y": y.detach(), "z": z.detach()}, "stats": stats, "iterations": iterations,
-                "aux_loss": aux}
+        return {"h": y, "x": x, "state": {"y": y.detach(), "z": z.detach()}, "stats": stats,
+                "iterations": iterations, "aux_loss": aux}
 
+    @can_return_tuple
     def forward(self, input_ids: torch.LongTensor, puzzle_identifiers: Optional[torch.LongTensor] = None,
-                state: Optional[dict] = None, fp_overrides: Optional[dict] = None) -> TRMModelOutput:
+                state: Optional[dict] = None, fp_overrides: Optional[dict] = None, **kwargs) -> TRMModelOutput:
+        """``kwargs``: the standard output switches (``output_hidden_states``: the input injection and the final
+        state; ``return_dict``)."""
         out = self.inner(input_ids, puzzle_identifiers, state, fp_overrides)
         return TRMModelOutput(last_hidden_state=out["h"][:, self.config.puzzle_emb_len:], state=out["state"],
-                              fp_stats=out["stats"], iterations=out["iterations"], aux_loss=out["aux_loss"])
+                              fp_stats=out["stats"], iterations=out["iterations"], aux_loss=out["aux_loss"],
+                              hidden_states=puzzle_hidden_states(self.config, out, kwargs))
 
 
 class TRMForPuzzles(PuzzleSolverMixin, TRMPreTrainedModel):
@@ -149,10 +154,12 @@ class TRMForPuzzles(PuzzleSolverMixin, TRMPreTrainedModel):
         self.heads = PuzzleHeads(config.hidden_size, config.vocab_size, config.puzzle_emb_len, config.causal)
         self.post_init()
 
+    @can_return_tuple
     def forward(self, input_ids: torch.LongTensor, puzzle_identifiers: Optional[torch.LongTensor] = None,
                 labels: Optional[torch.LongTensor] = None, carry: Optional[dict] = None,
-                fp_overrides: Optional[dict] = None) -> TRMPuzzleOutput:
-        return TRMPuzzleOutput(**self.puzzle_forward(input_ids, puzzle_identifiers, labels, carry, fp_overrides))
+                fp_overrides: Optional[dict] = None, **kwargs) -> TRMPuzzleOutput:
+        return TRMPuzzleOutput(**self.puzzle_forward(input_ids, puzzle_identifiers, labels, carry, fp_overrides,
+                                                     **kwargs))
 
 
 __all__ = ["TRMForPuzzles", "TRMModel", "TRMPreTrainedModel"]

@@ -12,6 +12,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import ModelOutput
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from transformers.utils import can_return_tuple
 
 from .configuration_urm import URMConfig
 from .fp_reasoning import (
@@ -20,6 +21,7 @@ from .fp_reasoning import (
     PuzzleSolverMixin,
     PuzzleTrunk,
     build_blocks,
+    puzzle_hidden_states,
     trunc_normal_,
 )
 from .fp_settings import fixed_point_kwargs
@@ -36,6 +38,7 @@ class URMModelOutput(ModelOutput):
     state: Optional[dict] = None
     fp_stats: Optional[FixedPointStats] = None
     iterations: Optional[torch.LongTensor] = None
+    hidden_states: Optional[tuple] = None
 
 
 @dataclass
@@ -49,6 +52,7 @@ class URMPuzzleOutput(ModelOutput):
     carry: Optional[dict] = None
     fp_stats: Optional[FixedPointStats] = None
     iterations: Optional[torch.LongTensor] = None
+    hidden_states: Optional[tuple] = None
 
 
 class URMPreTrainedModel(PuzzleCheckpointMixin, PreTrainedModel):
@@ -56,9 +60,6 @@ class URMPreTrainedModel(PuzzleCheckpointMixin, PreTrainedModel):
     base_model_prefix = "model"
     _no_split_modules = ["ReasoningBlock"]
     _supports_sdpa = True
-
-    def _init_weights(self, module):
-        pass  # layers initialize themselves (LeCun truncated normal, TRM's Q-head init)
 
 
 class URMModel(URMPreTrainedModel):
@@ -93,13 +94,18 @@ class URMModel(URMPreTrainedModel):
                          min_iter=kw["min_iter"], stop_fraction=kw["stop_fraction"], return_mode=kw["return_mode"])
         for _ in range(self.config.L_cycles):
             h = self.loop(h, x)
-        return {"h": h, "state": {"h": h.detach()}, "stats": stats, "iterations": stats.nstep + self.config.L_cycles}
+        return {"h": h, "x": x, "state": {"h": h.detach()}, "stats": stats,
+                "iterations": stats.nstep + self.config.L_cycles}
 
+    @can_return_tuple
     def forward(self, input_ids: torch.LongTensor, puzzle_identifiers: Optional[torch.LongTensor] = None,
-                state: Optional[dict] = None, fp_overrides: Optional[dict] = None) -> URMModelOutput:
+                state: Optional[dict] = None, fp_overrides: Optional[dict] = None, **kwargs) -> URMModelOutput:
+        """``kwargs``: the standard output switches (``output_hidden_states``: the input injection and the final
+        state; ``return_dict``)."""
         out = self.inner(input_ids, puzzle_identifiers, state, fp_overrides)
         return URMModelOutput(last_hidden_state=out["h"][:, self.config.puzzle_emb_len:], state=out["state"],
-                              fp_stats=out["stats"], iterations=out["iterations"])
+                              fp_stats=out["stats"], iterations=out["iterations"],
+                              hidden_states=puzzle_hidden_states(self.config, out, kwargs))
 
 
 class URMForPuzzles(PuzzleSolverMixin, URMPreTrainedModel):
@@ -111,10 +117,12 @@ class URMForPuzzles(PuzzleSolverMixin, URMPreTrainedModel):
         self.heads = PuzzleHeads(config.hidden_size, config.vocab_size, config.puzzle_emb_len, config.causal)
         self.post_init()
 
+    @can_return_tuple
     def forward(self, input_ids: torch.LongTensor, puzzle_identifiers: Optional[torch.LongTensor] = None,
                 labels: Optional[torch.LongTensor] = None, carry: Optional[dict] = None,
-                fp_overrides: Optional[dict] = None) -> URMPuzzleOutput:
-        return URMPuzzleOutput(**self.puzzle_forward(input_ids, puzzle_identifiers, labels, carry, fp_overrides))
+                fp_overrides: Optional[dict] = None, **kwargs) -> URMPuzzleOutput:
+        return URMPuzzleOutput(**self.puzzle_forward(input_ids, puzzle_identifiers, labels, carry, fp_overrides,
+                                                     **kwargs))
 
 
 __all__ = ["URMForPuzzles", "URMModel", "URMPreTrainedModel"]

@@ -175,3 +175,52 @@ class PuzzleModelTesterMixin(FixedPointModelTesterMixin):
         with torch.no_grad():
             expected = model(**inputs).logits
         torch.testing.assert_close(torch.load(io / "child_out.pt"), expected, rtol=1e-5, atol=1e-6)
+
+    # ---- transformers conventions (issue 17) ---------------------------------------------------------------------
+    def test_from_pretrained_fills_missing_heads_and_latent_buffers(self, tmp_path):
+        # A base checkpoint loaded into *ForPuzzles lacks the heads; a checkpoint without the latents' reset vectors
+        # lacks those buffers. from_pretrained must fill both through _init_weights, not leave torch.empty memory.
+        base = self.build(self.model_classes[0][0]).eval()
+        base.save_pretrained(tmp_path / "base")
+        model = self.puzzle_class.from_pretrained(tmp_path / "base")
+        assert (model.heads.q_head.weight == 0).all() and (model.heads.q_head.bias == -5).all()
+        std = float(model.heads.lm_head.weight.detach().std()) * model.config.hidden_size ** 0.5  # LeCun: 1 / sqrt(D)
+        assert 0.7 < std < 1.3, std
+        for name, buffer in base.named_buffers():
+            torch.testing.assert_close(model.model.get_buffer(name), buffer, rtol=0, atol=0)  # loaded, not redrawn
+        latents = [name for name, _ in model.named_buffers() if name.endswith("_init")]
+        assert latents
+        state = {k: v for k, v in model.state_dict().items() if k not in latents}
+        reloaded = self.puzzle_class.from_pretrained(None, config=model.config, state_dict=state)
+        for name in latents:
+            buffer = reloaded.get_buffer(name)
+            assert torch.isfinite(buffer).all() and 0.7 < float(buffer.std()) < 1.3, (name, buffer)
+
+    def test_from_pretrained_without_a_path(self):
+        # from_pretrained(None, config=..., state_dict=...) is how transformers (and its tests) build from memory.
+        model = self.build_puzzle().eval()
+        loaded = self.puzzle_class.from_pretrained(None, config=model.config, state_dict=model.state_dict()).eval()
+        batch = self.puzzle_batch(model.config)
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(**batch).logits, model(**batch).logits, rtol=0, atol=0)
+
+    def test_standard_output_switches_and_input_embeddings(self):
+        model = self.build_puzzle().eval()
+        batch = self.puzzle_batch(model.config)
+        assert model.get_input_embeddings() is model.model.trunk.input.embed_tokens
+        assert model.model.get_input_embeddings() is model.get_input_embeddings()
+        with torch.no_grad():
+            out = model(**batch, output_hidden_states=True)
+            as_tuple = model(**batch, return_dict=False)
+            base = model.model(batch["input_ids"], batch["puzzle_identifiers"], output_hidden_states=True)
+        assert isinstance(as_tuple, tuple)
+        torch.testing.assert_close(as_tuple[1], out.logits, rtol=0, atol=0)  # (loss, logits, ...)
+        x, h = base.hidden_states
+        assert x.shape == h.shape == (4, self.seq_length, model.config.hidden_size)
+        torch.testing.assert_close(h, base.last_hidden_state, rtol=0, atol=0)
+        assert len(out.hidden_states) == 2
+        model.config.output_hidden_states = True
+        with torch.no_grad():
+            assert model(**batch).hidden_states is not None
+        with pytest.raises(ValueError, match="no attention weights"):
+            model(**batch, output_attentions=True)

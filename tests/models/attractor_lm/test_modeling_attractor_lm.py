@@ -5,6 +5,7 @@ import torch
 
 from hf_fixedpoint.core import fixed_point
 from hf_fixedpoint.modeling import AttractorConfig, AttractorForCausalLM, AttractorModel
+from tests.models.causal_lm_checks import CausalLMChecksMixin
 from tests.models.fixed_point_tester import FixedPointModelTesterMixin
 
 TINY = {"vocab_size": 99, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
@@ -13,10 +14,13 @@ TINY = {"vocab_size": 99, "hidden_size": 32, "intermediate_size": 64, "num_atten
 EXACT = {"fp_solver": "picard", "fp_tol": 1e-12, "fp_max_iter": 300}  # float64 solves to machine precision
 
 
-class TestAttractorLM(FixedPointModelTesterMixin):
+class TestAttractorLM(CausalLMChecksMixin, FixedPointModelTesterMixin):
     config_class = AttractorConfig
     model_classes = ((AttractorModel, "AutoModel"), (AttractorForCausalLM, "AutoModelForCausalLM"))
     config_kwargs = TINY
+    lm_class = AttractorForCausalLM
+    lm_overrides = {"fp_tol": 1e-7, "fp_max_iter": 100}
+    num_layers_reported = 3  # one backbone layer, two attractor layers (at the fixed point)
 
     def inputs(self, batch=2, length=6, seed=0):
         g = torch.Generator().manual_seed(seed)

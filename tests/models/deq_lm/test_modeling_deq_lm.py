@@ -3,14 +3,18 @@
 import torch
 
 from hf_fixedpoint.modeling import DEQLMConfig, DEQLMForCausalLM, DEQLMModel
+from tests.models.causal_lm_checks import CausalLMChecksMixin
 from tests.models.fixed_point_tester import FixedPointModelTesterMixin
 
 
-class TestDEQLM(FixedPointModelTesterMixin):
+class TestDEQLM(CausalLMChecksMixin, FixedPointModelTesterMixin):
     config_class = DEQLMConfig
     model_classes = ((DEQLMModel, "AutoModel"), (DEQLMForCausalLM, "AutoModelForCausalLM"))
     config_kwargs = {"vocab_size": 99, "hidden_size": 32, "intermediate_size": 37, "num_attention_heads": 4,
                      "max_position_embeddings": 64, "fp_max_iter": 30}
+    lm_class = DEQLMForCausalLM
+    lm_overrides = {"fp_tol": 1e-7, "fp_max_iter": 100}
+    num_layers_reported = 1  # one weight-tied block: hidden_states = (injection, fixed point)
 
     def test_causal(self):
         # Changing a later token must not change earlier positions' outputs (per-token exactness up to tolerance).

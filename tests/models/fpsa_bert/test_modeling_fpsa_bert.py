@@ -1,6 +1,7 @@
 """FPSA-BERT: the shared tests for every head, exactness against transformers' BERT, the fixed point itself against an
 independent loop, every config branch and the bad-input errors."""
 
+import inspect
 import json
 
 import pytest
@@ -331,3 +332,27 @@ def test_jacobian_penalty_joins_the_loss(impl):
         assert not model(ids, attention_mask=mask, labels=labels).fp_stats.jac_penalty_per_layer
     with pytest.raises(ValueError, match="fpsa_jac_weight"):
         FPSABertConfig(**TINY, fpsa_jac_weight=-0.1)
+
+
+@pytest.mark.parametrize("head", [FPSABertForMaskedLM, FPSABertForSequenceClassification,
+                                  FPSABertForTokenClassification, FPSABertForQuestionAnswering])
+def test_head_forward_signature_names_its_inputs(head):
+    # Trainer(remove_unused_columns=True) and generate() keep only the inputs forward's signature names.
+    params = inspect.signature(head(FPSABertConfig(**TINY)).forward).parameters
+    assert {"input_ids", "attention_mask", "token_type_ids", "inputs_embeds", "fp_overrides"} <= set(params)
+    assert any(name in params for name in ("labels", "start_positions"))
+
+
+def test_standard_output_switches():
+    # config.output_attentions is read like the call argument; return_dict=False gives tuples on every class.
+    config = FPSABertConfig(**TINY, attn_implementation="eager", output_attentions=True)
+    ids = torch.randint(0, 99, (2, 5), generator=torch.Generator().manual_seed(0))
+    for model_class in (FPSABertModel, FPSABertForMaskedLM, FPSABertForSequenceClassification):
+        torch.manual_seed(0)
+        model = model_class(config).eval()
+        with torch.no_grad():
+            out = model(ids)
+            as_tuple = model(ids, return_dict=False)
+        assert len(out.attentions) == 2 and all(a.shape == (2, 4, 5, 5) for a in out.attentions)
+        assert isinstance(as_tuple, tuple)
+        torch.testing.assert_close(as_tuple[0], out[0], rtol=0, atol=0)

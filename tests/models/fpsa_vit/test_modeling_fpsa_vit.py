@@ -1,6 +1,8 @@
 """FPSA-ViT: the shared tests, exactness against transformers' ViT (checkpoints saved with the transformers-4 key
 names), the fixed point itself, and the bad-input errors."""
 
+import inspect
+
 import pytest
 import torch
 from transformers import BertConfig, BertModel, ViTConfig, ViTForImageClassification, ViTModel
@@ -102,3 +104,19 @@ def test_bad_input_errors(tmp_path):
     ViTModel(ViTConfig(**TINY)).save_pretrained(tmp_path / "vit")
     with pytest.raises(ValueError, match="fpsa_spectral_norm cannot be set while loading a plain ViT"):
         FPSAViTModel.from_pretrained(tmp_path / "vit", fpsa_spectral_norm="qk")
+
+
+def test_head_signature_and_standard_output_switches():
+    # Trainer keeps the inputs forward's signature names; config.output_attentions is read like the call argument;
+    # return_dict=False gives tuples.
+    config = FPSAViTConfig(**TINY, attn_implementation="eager", output_attentions=True)
+    torch.manual_seed(0)
+    model = FPSAViTForImageClassification(config).eval()
+    assert {"pixel_values", "labels", "fp_overrides"} <= set(inspect.signature(model.forward).parameters)
+    with torch.no_grad():
+        out = model(_pixels(2))
+        as_tuple = model(_pixels(2), return_dict=False)
+        base_tuple = model.vit(_pixels(2), return_dict=False)
+    assert len(out.attentions) == 2 and all(a.shape == (2, 4, 17, 17) for a in out.attentions)
+    assert isinstance(as_tuple, tuple) and isinstance(base_tuple, tuple)
+    torch.testing.assert_close(as_tuple[0], out.logits, rtol=0, atol=0)

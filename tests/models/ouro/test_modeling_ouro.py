@@ -12,16 +12,19 @@ from torch.nn import functional as F
 from transformers import DynamicCache
 
 from hf_fixedpoint.modeling import OuroConfig, OuroForCausalLM, OuroModel
+from tests.models.causal_lm_checks import CausalLMChecksMixin
 from tests.models.fixed_point_tester import FixedPointModelTesterMixin
 
 TINY = {"vocab_size": 99, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "max_position_embeddings": 64, "total_ut_steps": 3, "pad_token_id": 0}
 
 
-class TestOuro(FixedPointModelTesterMixin):
+class TestOuro(CausalLMChecksMixin, FixedPointModelTesterMixin):
     config_class = OuroConfig
     model_classes = ((OuroModel, "AutoModel"), (OuroForCausalLM, "AutoModelForCausalLM"))
     config_kwargs = TINY
+    lm_class = OuroForCausalLM
+    num_layers_reported = 6  # every (loop, layer) application: 3 loops of 2 layers
 
     # ---- shared tests whose fixed-point knobs become the loop count ----------------------------------------------
     def test_forward_shapes_and_stats(self):
