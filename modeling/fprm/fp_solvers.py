@@ -330,6 +330,7 @@ def solve(
     track_trace: bool = False,
     solver_kwargs: Optional[dict] = None,
     check: bool = True,
+    pass_active: bool = False,
 ):
     """Solve ``z = f(z, *args)`` from ``z0`` without autograd; returns ``(z_star, FixedPointStats)``.
 
@@ -353,6 +354,9 @@ def solve(
         compact: evaluate ``f`` only on unfinished samples (``f`` must be row-separable, see module docstring).
         track_trace: keep the residual of every iteration in ``stats.trace``.
         solver_kwargs: extra arguments of the solver (e.g. ``{"m": 5}`` for Anderson).
+        pass_active: call ``f(z, *args, active=mask)`` with ``mask`` the entries still iterating (a bool tensor shaped
+            like the working rows' entries, ``(rows, *z0.shape[1:batch_dims])``; None while every entry is open), so
+            that ``f`` can skip the work of converged entries: their values in its output are ignored.
 
     Raises:
         NonFiniteError: an iterate contains NaN or Inf (the message names the iteration and the samples).
@@ -393,7 +397,11 @@ def solve(
         algo.init(z)
         k = 0
         for k in range(1, max_iter + 1):
-            fz = f(z.view(wshape), *wargs)
+            if pass_active:
+                active = None if done is None else (~done).view(wshape[:batch_dims])
+                fz = f(z.view(wshape), *wargs, active=active)
+            else:
+                fz = f(z.view(wshape), *wargs)
             if fz.shape != wshape:
                 raise ValueError(f"f returned shape {tuple(fz.shape)} for an input of shape {tuple(wshape)}; "
                                  "a fixed-point map must preserve the shape of its input.")

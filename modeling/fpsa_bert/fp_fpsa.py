@@ -387,8 +387,8 @@ def fpsa_attention(
     B, T, _ = x.shape
     residual = x if residual is None else residual
 
-    def state(o, res):
-        z = out_proj(o.flatten(2))
+    def state(o, res):  # (..., H, d) head outputs -> (..., D) iterate
+        z = out_proj(o.flatten(-2))
         if update == "residual_norm":
             z = res + z
             z = norm(z) if norm is not None else z
@@ -413,6 +413,28 @@ def fpsa_attention(
     def f(o, *args):
         return step(o, *args)[0]
 
+    # Encoder layers (every query and key a per-token function of the iterate, no extra inputs, not causal: attention
+    # functions treat a module without ``is_causal = False`` as causal) let the forward solve skip converged tokens:
+    # the solver passes the open entries and ``sparse_f`` recomputes the iterate, queries and keys of the tokens that
+    # still have an open head only, reusing the cached keys of the others.
+    sparse = halting == "tolerance" and not extra and max_iter > 1 and getattr(module, "is_causal", True) is False
+
+    def sparse_f(o, res, v, mask, keys, stale, active=None):
+        tokens = None if active is None else (active if active.dim() == 2 else active.any(-1))
+        if tokens is None or bool(tokens.all()):
+            z = state(o, res)
+            k = key(z)
+            if not torch.is_grad_enabled():  # the solve's own evaluations; a backward's keep their graph
+                k = keys.copy_(k)
+                stale.fill_(True)
+            q = query(z) if inv_tau is None else query(z) * inv_tau
+            new = attention_fn(module, q, k, v, mask, dropout=0.0, scaling=scaling, **attention_kwargs)[0]
+        else:
+            new = _open_tokens_attention(o, res, tokens, stale, v, mask, keys, state, query, key, inv_tau,
+                                         lambda *a: attention_fn(module, *a, dropout=0.0, scaling=scaling,
+                                                                 **attention_kwargs)[0])
+        return o + torch.tanh(new - o) if step_norm == "tanh" else new
+
     if halting == "learned":
         if halting_gate is None:
             raise ValueError("fpsa_halting='learned' needs a halting_gate.")
@@ -428,8 +450,15 @@ def fpsa_attention(
         kw["min_iter"] = max(kw.get("min_iter", 0) - 1, 0)
         if adjoint_mask and kw.get("backward") == "ift":
             kw["backward_kwargs"] = {**(kw.get("backward_kwargs") or {}), "mask": "converged"}
-        o, solve_stats = fixed_point(f, o1, args=(residual, value, attention_mask, *extra),
-                                     batch_dims=3 if halt_unit == "head" else 2, compact=True, **kw)
+        if sparse:
+            keys = torch.empty((B, value.shape[1], T, value.shape[-1]), dtype=value.dtype, device=value.device)
+            stale = torch.ones(B, T, dtype=torch.bool, device=x.device)
+            o, solve_stats = fixed_point(sparse_f, o1, args=(residual, value, attention_mask, keys, stale),
+                                         batch_dims=3 if halt_unit == "head" else 2, compact=True, pass_active=True,
+                                         **kw)
+        else:
+            o, solve_stats = fixed_point(f, o1, args=(residual, value, attention_mask, *extra),
+                                         batch_dims=3 if halt_unit == "head" else 2, compact=True, **kw)
         nstep, converged = solve_stats.nstep, solve_stats.converged
         if halt_unit == "token":  # one entry per token: every head of it shares the count
             nstep, converged = nstep[..., None], converged[..., None].expand_as(ones)
@@ -449,6 +478,45 @@ def fpsa_attention(
         penalty = fro / o.numel()
     return FPSAResult(output=o.flatten(2), attn_weights=weights, iterations=iterations, converged=converged,
                       max_iter=max_iter, stats=solve_stats, state=final_state, jac_penalty=penalty)
+
+
+def _open_tokens_attention(o, res, tokens, stale, value, mask, keys, state, query, key, inv_tau, attend):
+    """One FPSA step for the open tokens only.
+
+    ``o`` ``(B, T, H, d)`` head outputs, ``res`` ``(B, T, D)`` the residual stream, ``tokens`` ``(B, T)`` the tokens
+    with an open entry, ``stale`` ``(B, T)`` the tokens whose head outputs changed since ``keys`` ``(B, H, T, d)`` were
+    computed (those open in the previous call: a token that converged then was set to its last image). Their keys are
+    recomputed; the other tokens are frozen, so their cached keys are current. The open tokens' queries attend, per
+    sample, to every key. Returns ``o`` with the open tokens' rows replaced, and marks them as the next call's stale.
+    """
+    z_stale = state(o[stale], res[stale])
+    s_idx, u_idx = stale.nonzero(as_tuple=True)
+    keys[s_idx, :, u_idx] = key(z_stale[None])[0].transpose(0, 1).to(keys.dtype)
+    z_open = z_stale[tokens[stale]]  # open tokens are a subset of the stale ones: tokens never reopen
+    stale.copy_(tokens)
+    b_idx, t_idx = tokens.nonzero(as_tuple=True)
+    keys[b_idx, :, t_idx] = key(z_open[None])[0].transpose(0, 1).to(keys.dtype)
+    # Pack each sample's open tokens into the rows of a (samples, most open tokens, D) block.
+    samples, per_sample = torch.unique_consecutive(b_idx, return_counts=True)
+    starts = torch.cumsum(per_sample, 0) - per_sample
+    slot = torch.arange(b_idx.numel(), device=o.device) - torch.repeat_interleave(starts, per_sample)
+    row = torch.repeat_interleave(torch.arange(samples.numel(), device=o.device), per_sample)
+    width = int(per_sample.max())
+    z_pad = z_open.new_zeros(samples.numel(), width, z_open.shape[-1])
+    z_pad[row, slot] = z_open
+    q = query(z_pad)
+    q = q if inv_tau is None else q * inv_tau
+    if mask is not None:
+        mask = mask[samples] if mask.shape[0] > 1 else mask.expand(samples.numel(), *mask.shape[1:])
+        if mask.shape[-2] > 1:  # per-query rows: take each packed query's own row (padding rows repeat row 0)
+            t_pad = torch.zeros(samples.numel(), width, dtype=torch.long, device=o.device)
+            t_pad[row, slot] = t_idx
+            index = t_pad[:, None, :, None].expand(-1, mask.shape[1], -1, mask.shape[-1])
+            mask = torch.gather(mask, 2, index)
+    out = attend(q, keys[samples], value[samples], mask)  # (samples, width, H, d)
+    new = o.clone()
+    new[b_idx, t_idx] = out[row, slot].to(o.dtype)
+    return new
 
 
 def _learned_halting(step, state, o1, w1, args, max_iter, gate, threshold, margin_fn):

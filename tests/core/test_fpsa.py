@@ -33,6 +33,7 @@ class Block(nn.Module):
             nn.init.normal_(lin.weight, std=scale)
         self.norm = nn.LayerNorm(D)
         self.training = False
+        self.is_causal = False  # an encoder block (transformers' attention functions default to causal)
         self.double()
 
     def heads(self, t):
@@ -139,6 +140,46 @@ def test_per_entry_freezing_matches_separate_runs():
     torch.testing.assert_close(both.output[:1], alone.output, rtol=0, atol=1e-12)
     assert torch.equal(both.iterations[:1], alone.iterations)
     assert both.iterations.unique().numel() > 1  # tokens/heads stop at different iterations
+
+
+@pytest.mark.parametrize("halt_unit", ["head", "token"])
+@pytest.mark.parametrize("attention_fn", [eager_attention_forward, sdpa_attention_forward])
+def test_converged_tokens_drop_out_of_the_work(halt_unit, attention_fn):
+    """The forward solve recomputes iterates, queries, keys and score rows for tokens with an open entry only (cached
+    keys for the others): the same outputs and per-entry counts as recomputing every token, with a padding mask,
+    samples that finish early (compaction) and a learned temperature; and it does less work."""
+    blk = Block()
+    x = torch.randn(3, 7, D, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    x[0] *= 0.1  # an easy sample that finishes first
+    pad = torch.ones(3, 7, dtype=torch.bool)
+    pad[1, 5:] = False
+    masks = {"none": None, "keys": torch.where(pad, 0.0, -1e9)[:, None, None, :].double(),
+             "rows": (pad[:, None, :, None] & pad[:, None, None, :]).expand(3, 1, 7, 7)}
+    tau = torch.tensor([0.2, -0.3], dtype=torch.float64)
+    evaluated = []
+
+    def counting(module, q, k, v, mask, **kw):
+        evaluated.append(q.shape[0] * q.shape[2])
+        return attention_fn(module, q, k, v, mask, **kw)
+
+    for name, mask in masks.items():
+        runs = {}
+        for mode in ("sparse", "dense"):
+            evaluated.clear()
+            with torch.no_grad():
+                res = fpsa_attention(
+                    blk, x, query=lambda z, *e: blk.heads(blk.q(z)), key=lambda z, *e: blk.heads(blk.k(z)),
+                    value=blk.heads(blk.v(x)), out_proj=blk.o, norm=blk.norm, attention_fn=counting,
+                    scaling=DH ** -0.5, fp_kwargs=fp(tol=1e-8), attention_mask=mask,
+                    log_temperature=tau, halt_unit=halt_unit,
+                    # a batch-first extra input that the callables ignore keeps the dense path (recompute every token)
+                    extra=() if mode == "sparse" else (torch.zeros(3, dtype=torch.float64),))
+            runs[mode] = (res, sum(evaluated))
+        (sparse, work), (dense, dense_work) = runs["sparse"], runs["dense"]
+        torch.testing.assert_close(sparse.output, dense.output, rtol=0, atol=1e-12, msg=lambda m: f"{name}: {m}")
+        assert torch.equal(sparse.iterations, dense.iterations) and torch.equal(sparse.converged, dense.converged)
+        assert sparse.converged.all() and sparse.iterations.unique().numel() > 1
+        assert work < dense_work, (name, work, dense_work)  # fewer query rows attended
 
 
 def test_causal_rope_gqa_decoder_reuse():
