@@ -24,7 +24,7 @@ from hf_fixedpoint.hub import export
 
 # FPSA knobs a recipe forwards to ``from_pretrained`` / the config when set on the command line.
 FP_KNOBS = ("fp_max_iter", "fp_tol", "fp_solver", "fp_backward", "fpsa_update", "fpsa_step_norm",
-            "fpsa_spectral_norm", "fpsa_halting", "fpsa_jac_weight")
+            "fpsa_spectral_norm", "fpsa_halting", "fpsa_jac_weight", "fpsa_jac_norm", "fpsa_jac_target")
 
 
 @dataclass
@@ -57,6 +57,10 @@ class TrainingArgs:
     fpsa_halting: str = field(default=None, metadata={"help": "FPSA halting: tolerance | learned (FPSA-LH)"})
     fpsa_jac_weight: float = field(default=None, metadata={"help": "weight of the FPSA Jacobian penalty in the "
                                                                    "loss (default: the config's)"})
+    fpsa_jac_norm: str = field(default=None, metadata={"help": "Jacobian penalty: frobenius | spectral (hinge on "
+                                                               "the spectral radius; default: the config's)"})
+    fpsa_jac_target: float = field(default=None, metadata={"help": "spectral penalty: the spectral radius left "
+                                                                   "unpenalised (default: the config's)"})
 
 
 def default_bert_path() -> str:

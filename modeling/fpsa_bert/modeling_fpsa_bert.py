@@ -94,6 +94,7 @@ class FPSABertSelfAttention(BertSelfAttention):
             return_weights=bool(kwargs.get("output_attentions", config.output_attentions)),  # as output capturing
             halting=config.fpsa_halting, halting_gate=self.fpsa_halt_gate, halt_threshold=config.fpsa_halt_threshold,
             margin_fn=fpsa_margin_fn, attention_kwargs=kwargs, jac_penalty=config.fpsa_jac_weight > 0,
+            jac_norm=config.fpsa_jac_norm, jac_target=config.fpsa_jac_target,
             halt_unit=config.fpsa_halt_unit,
         )
         if fpsa_stats is not None:

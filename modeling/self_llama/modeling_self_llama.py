@@ -82,7 +82,8 @@ class SelfLlamaAttention(LlamaAttention):
             norm=fpsa_norm, log_temperature=self.fpsa_log_tau, update=config.fpsa_update,
             step_norm=config.fpsa_step_norm, adjoint_mask=config.fpsa_adjoint_mask,
             return_weights=bool(kwargs.get("output_attentions", config.output_attentions)), attention_kwargs=kwargs,
-            jac_penalty=config.fpsa_jac_weight > 0,
+            jac_penalty=config.fpsa_jac_weight > 0, jac_norm=config.fpsa_jac_norm,
+            jac_target=config.fpsa_jac_target,
             halt_unit=config.fpsa_halt_unit,
         )
         if fpsa_stats is not None:

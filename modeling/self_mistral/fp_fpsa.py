@@ -48,7 +48,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .fp_backward import fixed_point
 from .fp_halting import ACTAccumulator
-from .fp_jacobian import jacobian_frobenius
+from .fp_jacobian import jacobian_frobenius, spectral_radius
 from .fp_registry import check_choice, check_number
 from .fp_stats import FixedPointStats
 
@@ -57,6 +57,8 @@ STEP_NORMS = ("none", "tanh")
 HALTING_MODES = ("tolerance", "learned")
 SPECTRAL_NORMS = ("none", "qk", "qko")
 HALT_UNITS = ("head", "token")
+JAC_NORMS = ("frobenius", "spectral")
+JAC_POWER_ITERS = 6  # power-iteration products per layer and step of the spectral penalty (random start each step)
 HALT_FEATURES = 3  # relative latent change, attention entropy, task-head logit margin
 
 FPSA_DEFAULTS = {
@@ -70,7 +72,9 @@ FPSA_DEFAULTS = {
     "fpsa_ponder_weight": 0.01,  # learned halting: weight of relu(mean ponder cost - budget) in the loss
     "fpsa_halt_threshold": 0.99,  # learned halting: ACT threshold 1 - eps
     "fpsa_halt_unit": "head",  # head: each (token, head) halts on its own change | token: all heads of a token
-    "fpsa_jac_weight": 0.0,  # training: weight of the Hutchinson ||J_f||_F^2 / n penalty of each layer's FPSA map
+    "fpsa_jac_weight": 0.0,  # training: weight of the Jacobian penalty of each layer's FPSA map (0: none)
+    "fpsa_jac_norm": "frobenius",  # frobenius: Hutchinson ||J_f||_F^2 / n | spectral: relu(rho(J_f) - target)^2
+    "fpsa_jac_target": 0.2,  # spectral penalty: the spectral radius (per-step contraction) left unpenalised
 }
 
 # FPSA's own defaults for the shared fp_* knobs: the official code's tolerance and cap, and Picard iteration whose
@@ -93,6 +97,8 @@ def check_fpsa_settings(s: dict) -> None:
     check_number(s["fpsa_ponder_weight"], "fpsa_ponder_weight", low=0.0)
     check_number(s["fpsa_halt_threshold"], "fpsa_halt_threshold", low=0.0, high=1.0, low_open=True, high_open=True)
     check_number(s["fpsa_jac_weight"], "fpsa_jac_weight", low=0.0)
+    check_choice(s["fpsa_jac_norm"], "fpsa_jac_norm", JAC_NORMS)
+    check_number(s["fpsa_jac_target"], "fpsa_jac_target", low=0.0, high=1.0, high_open=True)
 
 
 def pop_fpsa_kwargs(kwargs: dict, defaults: Optional[dict] = None) -> dict:
@@ -147,8 +153,9 @@ class FPSAStats:
         solves: per layer, the ``FixedPointStats`` of the solve (None for ``fp_max_iter=1`` and learned halting).
         token_mask: ``(B, T)`` bool, the real (non-padding) tokens the summaries count; None counts every token.
         ponder_cost_per_layer: per layer ``(B, T, H)`` ACT ponder cost ``N + R`` (learned halting only).
-        jac_penalty_per_layer: per layer, the differentiable Hutchinson estimate of ``||J_f||_F^2 / n`` at the fixed
-            point (training with ``fpsa_jac_weight > 0`` only).
+        jac_penalty_per_layer: per layer, the differentiable Jacobian penalty at the fixed point (training with
+            ``fpsa_jac_weight > 0`` only): ``||J_f||_F^2 / n`` or ``relu(rho - target)^2`` (see ``fpsa_attention``).
+        jac_rho_per_layer: per layer, the mean power-iteration spectral radius behind the spectral penalty.
     """
 
     iterations_per_layer: List[torch.Tensor] = field(default_factory=list)
@@ -158,6 +165,7 @@ class FPSAStats:
     token_mask: Optional[torch.Tensor] = None
     ponder_cost_per_layer: List[torch.Tensor] = field(default_factory=list)
     jac_penalty_per_layer: List[torch.Tensor] = field(default_factory=list)
+    jac_rho_per_layer: List[torch.Tensor] = field(default_factory=list)
 
     _slots: dict = field(default_factory=dict, repr=False)
 
@@ -175,6 +183,8 @@ class FPSAStats:
                 self.ponder_cost_per_layer.append(result.ponder_cost)
             if result.jac_penalty is not None:
                 self.jac_penalty_per_layer.append(result.jac_penalty)
+            if result.jac_rho is not None:
+                self.jac_rho_per_layer.append(result.jac_rho)
         else:
             self.iterations_per_layer[i], self.converged_per_layer[i] = result.iterations, result.converged
             self.solves[i] = result.stats
@@ -252,7 +262,12 @@ class FPSAStats:
     def summary(self) -> dict:
         """Plain floats for logging: mean / median / p90 / p99 iterations, cap-hit rate and converged fraction."""
         its = self._valid(self.iterations_per_layer).double()
-        extra = {} if not self.jac_penalty_per_layer else {"fpsa_jac_fro": float(self.jac_penalty().detach())}
+        extra = {}
+        if self.jac_rho_per_layer:
+            extra = {"fpsa_jac_penalty": float(self.jac_penalty().detach()),
+                     "fpsa_jac_rho": float(torch.stack(self.jac_rho_per_layer).mean())}
+        elif self.jac_penalty_per_layer:
+            extra = {"fpsa_jac_fro": float(self.jac_penalty().detach())}
         return {
             **extra,
             "fpsa_iter_mean": float(its.mean()),
@@ -277,7 +292,8 @@ class FPSAResult:
     stats: Optional[FixedPointStats] = None
     ponder_cost: Optional[torch.Tensor] = None  # (B, T, H), learned halting
     state: Optional[torch.Tensor] = None  # (B, T, D) final iterate Z (x after the exact first step alone), if asked
-    jac_penalty: Optional[torch.Tensor] = None  # scalar Hutchinson ||J_f||_F^2 / n at the fixed point, if asked
+    jac_penalty: Optional[torch.Tensor] = None  # scalar Jacobian penalty at the fixed point, if asked
+    jac_rho: Optional[torch.Tensor] = None  # mean power-iteration spectral radius (spectral penalty), detached
 
 
 class FPSAHaltingGate(nn.Module):
@@ -338,6 +354,8 @@ def fpsa_attention(
     return_state: bool = False,
     jac_penalty: bool = False,
     halt_unit: str = "head",
+    jac_norm: str = "frobenius",
+    jac_target: float = 0.2,
 ) -> FPSAResult:
     """Run one FPSA layer.
 
@@ -373,7 +391,11 @@ def fpsa_attention(
         jac_penalty: when gradients are enabled and the loop runs (``max_iter > 1``, tolerance halting), also return
             a differentiable Hutchinson estimate of ``||J_f||_F^2 / n`` of the FPSA map at the fixed point (one
             Gaussian probe; ``n`` the size of the iterate), the Jacobian regulariser of Bai et al. (2021) that
-            ``fpsa_jac_weight`` adds to the loss to train the map towards a contraction.
+            ``fpsa_jac_weight`` adds to the loss to train the map towards a contraction; with
+            ``jac_norm="spectral"`` instead the hinge ``mean_b relu(rho_b - jac_target)^2`` on each sample's spectral
+            radius ``rho_b`` of ``J_f`` (``JAC_POWER_ITERS`` power-iteration VJPs from a random start; the gradient
+            flows through the last one), which leaves every direction but the slowest free and bounds the per-step
+            contraction, hence the iteration count, by the target.
         halt_unit: what converges and halts as one entry with ``halting="tolerance"``: ``head`` (each (token, head)
             pair, on the relative change of its own output) or ``token`` (the paper's per-token relative Frobenius
             change of the token's head outputs, all heads together). Iteration counts are reported per (token, head)
@@ -469,15 +491,20 @@ def fpsa_attention(
     final_state = None
     if return_state:
         final_state = x if max_iter == 1 else state(o, residual)
-    penalty = None
+    penalty = rho = None
     if jac_penalty and max_iter > 1 and torch.is_grad_enabled():
+        check_choice(jac_norm, "fpsa_jac_norm", JAC_NORMS)
         args = (residual, value, attention_mask, *extra)
         # The penalty's gradient is a double backward: SDPA's fused CPU/GPU kernels have none, its math one has.
         with sdpa_kernel(SDPBackend.MATH):
-            fro = jacobian_frobenius(lambda z: f(z, *args), o.detach(), batch_dims=0, create_graph=True)
-        penalty = fro / o.numel()
+            if jac_norm == "frobenius":
+                penalty = jacobian_frobenius(lambda z: f(z, *args), o.detach(), batch_dims=0,
+                                             create_graph=True) / o.numel()
+            else:
+                rhos = spectral_radius(lambda z: f(z, *args), o.detach(), n_iter=JAC_POWER_ITERS, create_graph=True)
+                penalty, rho = torch.relu(rhos - jac_target).square().mean(), rhos.detach().mean()
     return FPSAResult(output=o.flatten(2), attn_weights=weights, iterations=iterations, converged=converged,
-                      max_iter=max_iter, stats=solve_stats, state=final_state, jac_penalty=penalty)
+                      max_iter=max_iter, stats=solve_stats, state=final_state, jac_penalty=penalty, jac_rho=rho)
 
 
 def _open_tokens_attention(o, res, tokens, stale, value, mask, keys, state, query, key, inv_tau, attend):
@@ -568,6 +595,8 @@ def fpsa_decoder_attention(
     attention_kwargs: Optional[dict] = None,
     jac_penalty: bool = False,
     halt_unit: str = "head",
+    jac_norm: str = "frobenius",
+    jac_target: float = 0.2,
 ):
     """Causal FPSA in one layer of a pretrained decoder (SELF-LLaMA / SELF-Mistral), with an optional KV cache.
 
@@ -623,7 +652,7 @@ def fpsa_decoder_attention(
         log_temperature=log_temperature, update=update, step_norm=step_norm,
         dropout=module.attention_dropout if module.training else 0.0, adjoint_mask=adjoint_mask,
         return_weights=return_weights, attention_kwargs=attention_kwargs, return_state=cache is not None,
-        jac_penalty=jac_penalty, halt_unit=halt_unit,
+        jac_penalty=jac_penalty, halt_unit=halt_unit, jac_norm=jac_norm, jac_target=jac_target,
     )
     if cache is not None:
         with torch.no_grad():
@@ -754,6 +783,7 @@ __all__ = [
     "FPSA_FP_DEFAULTS",
     "HALTING_MODES",
     "HALT_UNITS",
+    "JAC_NORMS",
     "SPECTRAL_NORMS",
     "STEP_NORMS",
     "UPDATE_FORMS",

@@ -276,6 +276,46 @@ def test_jac_penalty_is_the_hutchinson_estimate_of_the_exact_jacobian():
     assert blk.run(x, fp()).jac_penalty is None
 
 
+def test_spectral_jac_penalty_is_the_power_iteration_hinge_of_the_exact_jacobian():
+    """``jac_norm="spectral"``: per sample, ``JAC_POWER_ITERS`` normalised products ``v <- J_b^T v`` from the first
+    Gaussian draw after the solve give ``rho_b``; the penalty is ``mean_b relu(rho_b - target)^2``, differentiable
+    into W_Q, and zero (no gradient) once every ``rho_b`` is below the target."""
+    from hf_fixedpoint.core.fp_fpsa import JAC_POWER_ITERS
+
+    blk, x = Block(), x_input()
+    torch.manual_seed(123)
+    res = blk.run(x, fp(), jac_penalty=True, jac_norm="spectral", jac_target=0.0)
+    torch.manual_seed(123)
+    v = torch.randn(B, T, H, DH, dtype=torch.float64).reshape(B, -1)
+    o = res.output.detach().view(B, T, H, DH)
+
+    def f(o):
+        return blk.attention(blk.norm(x + blk.o(o.flatten(2))), x)
+
+    n = o[0].numel()
+    jac = torch.autograd.functional.jacobian(f, o).reshape(B, n, B, n)
+    rho = torch.stack([_power_rho(jac[b, :, b].T, v[b], JAC_POWER_ITERS) for b in range(B)])
+    assert res.converged.all() and bool((rho > 0.05).all() and (rho < 0.99).all()), rho
+    torch.testing.assert_close(res.jac_penalty, rho.square().mean(), rtol=1e-9, atol=0)
+    torch.testing.assert_close(res.jac_rho, rho.mean(), rtol=1e-9, atol=0)
+    res.jac_penalty.backward()
+    assert blk.q.weight.grad.abs().sum() > 0
+    blk.q.weight.grad = None
+    high = blk.run(x, fp(), jac_penalty=True, jac_norm="spectral", jac_target=0.99)
+    assert float(high.jac_penalty) == 0.0 and high.jac_rho < 0.99
+    with pytest.raises(ValueError, match="fpsa_jac_norm"):
+        blk.run(x, fp(), jac_penalty=True, jac_norm="nuclear")
+
+
+def _power_rho(m, v, n_iter):
+    """``||m v||`` after ``n_iter`` normalised products (the estimate ``spectral_radius`` returns)."""
+    v = v / v.norm()
+    for _ in range(n_iter):
+        w = m @ v
+        v = w / w.norm()
+    return w.norm()
+
+
 def test_token_halt_unit_one_count_per_token_same_fixed_point():
     """``halt_unit="token"``: a token's heads halt together on the relative Frobenius change of all its head outputs
     (the paper's rule); the fixed point is the one the per-head rule finds."""
@@ -310,4 +350,8 @@ def test_bad_input():
         pop_fpsa_kwargs({"fpsa_learn_temperature": "yes"})
     with pytest.raises(ValueError, match=r"fpsa_jac_weight=-1.0 is out of range"):
         pop_fpsa_kwargs({"fpsa_jac_weight": -1.0})
+    with pytest.raises(ValueError, match=r"fpsa_jac_norm='l1'.*'frobenius', 'spectral'"):
+        pop_fpsa_kwargs({"fpsa_jac_norm": "l1"})
+    with pytest.raises(ValueError, match=r"fpsa_jac_target=1.0 is out of range"):
+        pop_fpsa_kwargs({"fpsa_jac_target": 1.0})
     assert pop_fpsa_kwargs({}) == FPSA_DEFAULTS

@@ -307,7 +307,8 @@ def test_real_minilm_retrofit_with_one_iteration_is_the_base_model():
 
 
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
-def test_jacobian_penalty_joins_the_loss(impl):
+@pytest.mark.parametrize("norm", ["frobenius", "spectral"])
+def test_jacobian_penalty_joins_the_loss(impl, norm):
     """``fpsa_jac_weight``: the loss is the task loss plus the weight times the mean per-layer penalty, its gradient
     reaches W_Q through the double backward (the SDPA path included), and it is reported in the summary; weight 0 adds
     nothing and computes nothing; in no-grad evaluation it is not computed."""
@@ -315,10 +316,14 @@ def test_jacobian_penalty_joins_the_loss(impl):
     labels = torch.tensor([0, 1])
     torch.manual_seed(0)
     model = FPSABertForSequenceClassification(FPSABertConfig(**TINY, attn_implementation=impl, fp_max_iter=8,
-                                                             fpsa_jac_weight=2.0)).train()
+                                                             fpsa_jac_weight=2.0, fpsa_jac_norm=norm,
+                                                             fpsa_jac_target=0.0)).train()
     out = model(ids, attention_mask=mask, labels=labels)
     st = out.fp_stats
-    assert len(st.jac_penalty_per_layer) == 2 and "fpsa_jac_fro" in st.summary()
+    key = "fpsa_jac_fro" if norm == "frobenius" else "fpsa_jac_rho"
+    assert len(st.jac_penalty_per_layer) == 2 and key in st.summary()
+    if norm == "spectral":  # target 0: the penalty is the mean squared spectral radius
+        assert len(st.jac_rho_per_layer) == 2 and st.summary()["fpsa_jac_penalty"] > 0
     plain = torch.nn.functional.cross_entropy(out.logits, labels)
     torch.testing.assert_close(out.loss, plain + 2.0 * torch.stack(st.jac_penalty_per_layer).mean())
     w_q = model.bert.encoder.layer[0].attention.self.query.weight
@@ -326,12 +331,14 @@ def test_jacobian_penalty_joins_the_loss(impl):
     out.loss.backward()
     model.config.fpsa_jac_weight = 0.0
     out = model(ids, attention_mask=mask, labels=labels)
-    assert not out.fp_stats.jac_penalty_per_layer and "fpsa_jac_fro" not in out.fp_stats.summary()
+    assert not out.fp_stats.jac_penalty_per_layer and key not in out.fp_stats.summary()
     model.config.fpsa_jac_weight = 2.0
     with torch.no_grad():
         assert not model(ids, attention_mask=mask, labels=labels).fp_stats.jac_penalty_per_layer
     with pytest.raises(ValueError, match="fpsa_jac_weight"):
         FPSABertConfig(**TINY, fpsa_jac_weight=-0.1)
+    with pytest.raises(ValueError, match="fpsa_jac_norm"):
+        FPSABertConfig(**TINY, fpsa_jac_norm="nuclear")
 
 
 @pytest.mark.parametrize("head", [FPSABertForMaskedLM, FPSABertForSequenceClassification,
