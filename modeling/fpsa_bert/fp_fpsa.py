@@ -522,7 +522,6 @@ def _open_tokens_attention(o, res, tokens, stale, value, mask, keys, state, quer
     z_open = z_stale[tokens[stale]]  # open tokens are a subset of the stale ones: tokens never reopen
     stale.copy_(tokens)
     b_idx, t_idx = tokens.nonzero(as_tuple=True)
-    keys[b_idx, :, t_idx] = key(z_open[None])[0].transpose(0, 1).to(keys.dtype)
     # Pack each sample's open tokens into the rows of a (samples, most open tokens, D) block.
     samples, per_sample = torch.unique_consecutive(b_idx, return_counts=True)
     starts = torch.cumsum(per_sample, 0) - per_sample
