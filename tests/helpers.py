@@ -15,3 +15,84 @@ def train_bpe_tokenizer(texts, vocab_size: int) -> PreTrainedTokenizerFast:
     tok.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
                                    pad_token="<pad>", model_max_length=256)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Fault injection for the kill-and-resume tests of the recipes (in-process runs, ``monkeypatch.context()``).
+
+
+class Killed(BaseException):
+    """Stands for SIGKILL: a BaseException, so nothing in a recipe catches it and no clean-up code runs after it."""
+
+
+def kill_during_save(mp, call: int):
+    """The ``call``-th ``Accelerator.save_state`` writes its files, cuts its weights file in half and dies."""
+    import os
+
+    from accelerate import Accelerator
+
+    real, count = Accelerator.save_state, [0]
+
+    def save_state(self, output_dir=None, **kwargs):
+        count[0] += 1
+        out = real(self, output_dir, **kwargs)
+        if count[0] == call:
+            weights = os.path.join(output_dir, "model.safetensors")
+            with open(weights, "r+b") as fh:
+                fh.truncate(os.path.getsize(weights) // 2)
+            raise Killed(f"killed during save {call} ({output_dir})")
+        return out
+
+    mp.setattr(Accelerator, "save_state", save_state)
+
+
+def kill_at_step(mp, step: int):
+    """Die right after the ``step``-th optimizer step of the process, before its checkpoint (if any) is written:
+    ``Preemption.requested`` is asked once after every optimizer step."""
+    from hf_fixedpoint.checkpointing import Preemption
+
+    count = [0]
+
+    def requested(self):
+        count[0] += 1
+        if count[0] == step:
+            raise Killed(f"killed after optimizer step {step}")
+        return self.flag
+
+    mp.setattr(Preemption, "requested", requested)
+
+
+def sigterm_at_step(mp, step: int):
+    """Send this process SIGTERM during the ``step``-th optimizer step (a scheduler's preemption notice)."""
+    import os
+    import signal
+
+    from hf_fixedpoint.checkpointing import Preemption
+
+    real, count = Preemption.requested, [0]
+
+    def requested(self):
+        count[0] += 1
+        if count[0] == step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(self)
+
+    mp.setattr(Preemption, "requested", requested)
+
+
+def kill_in(mp, owner, name: str):
+    """``owner.name`` (e.g. an export function) dies as soon as it is called."""
+    def dies(*args, **kwargs):
+        raise Killed(f"killed in {name}")
+
+    mp.setattr(owner, name, dies)
+
+
+def same_weights(a, b) -> bool:
+    """Whether two ``model.safetensors`` files hold bitwise-equal tensors."""
+    from safetensors.torch import load_file
+
+    x, y = load_file(a), load_file(b)
+    import torch
+
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)

@@ -75,7 +75,7 @@ def test_glue_trains_logs_iterations_resumes_and_exports(tiny_bert, tmp_path, mo
     # Resume from step 2 into a fresh folder: steps 3-4 only, ending at (nearly) the uninterrupted weights.
     run(fpsa_glue, common(resumed, tiny_bert) + fast + ["--resume_from_checkpoint", full / "step_2"], monkeypatch)
     assert "resumed from" in capsys.readouterr().out
-    assert [r["step"] for r in json.loads((resumed / "metrics.json").read_text())["train_log"]] == [3, 4]
+    assert [r["step"] for r in json.loads((resumed / "metrics.json").read_text())["train_log"]] == [1, 2, 3, 4]
     a, b = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
     start = load_file(full / "step_2" / "model.safetensors")
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
@@ -174,7 +174,7 @@ def test_vit_trains_resumes_and_exports(tmp_path, monkeypatch):
     run(fpsa_vit, common(out, steps=2) + tiny, monkeypatch)
     run(fpsa_vit, common(out, steps=3) + tiny + ["--resume_from_checkpoint", "latest"], monkeypatch)
     metrics = json.loads((out / "metrics.json").read_text())
-    assert [r["step"] for r in metrics["train_log"]] == [3]
+    assert [r["step"] for r in metrics["train_log"]] == [1, 2, 3]  # the log of the resumed steps included
     assert 0.0 <= metrics["eval"]["accuracy"] <= 1.0 and metrics["eval"]["fpsa_iter_max"] <= 3
     model = AutoModelForImageClassification.from_pretrained(out, trust_remote_code=True)
     assert model(pixel_values=torch.zeros(2, 1, 8, 8)).logits.shape == (2, 10)
