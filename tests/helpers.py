@@ -96,3 +96,58 @@ def same_weights(a, b) -> bool:
     import torch
 
     return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def kill_each(main, faults):
+    """``main("--resume_from_checkpoint", "latest")`` once under each fault (a function of a ``MonkeyPatch``), each
+    run being killed (``Killed``) or preempted (``SystemExit``); the next run resumes where the last one died."""
+    import pytest
+
+    for fault in faults:
+        with pytest.MonkeyPatch.context() as mp:
+            fault(mp)
+            with pytest.raises((Killed, SystemExit)):
+                main("--resume_from_checkpoint", "latest")
+
+
+def tear_then_resume(main, folder):
+    """Cut checkpoint ``folder``'s weights file short (a kill in the middle of a save): resuming from it by name is a
+    ``ValueError`` naming the folder and the file; ``latest`` skips it (with a warning) and finishes the run."""
+    import os
+    import re
+
+    import pytest
+
+    weights = os.path.join(folder, "model.safetensors")
+    with open(weights, "r+b") as fh:
+        fh.truncate(64)
+    with pytest.raises(ValueError, match=re.escape(os.path.basename(folder)) + r".*model\.safetensors"):
+        main("--resume_from_checkpoint", folder)
+    main("--resume_from_checkpoint", "latest")
+
+
+def run_recipe(monkeypatch, module, *argv):
+    """``module.main()`` in this process, with ``sys.argv`` set to ``argv`` and a fresh accelerate state."""
+    import sys
+
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    monkeypatch.setattr(sys, "argv", [module.__name__, *map(str, argv)])
+    return module.main()
+
+
+def assert_survives_kills(main, tmp_path, faults, torn=None):
+    """The uninterrupted ``main(out)`` in ``tmp_path/reference``; then ``main(tmp_path/run, ...)`` killed by each
+    fault in turn and resumed with ``latest``; then (``torn``: a checkpoint folder relative to the run) that
+    checkpoint torn and the run finished (``tear_then_resume``). The exported weights must equal the reference's
+    bitwise. Returns the two output folders."""
+    reference, out = tmp_path / "reference", tmp_path / "run"
+    main(reference)
+    kill_each(lambda *flags: main(out, *flags), faults)
+    if torn is None:
+        main(out, "--resume_from_checkpoint", "latest")
+    else:
+        tear_then_resume(lambda *flags: main(out, *flags), out / torn)
+    assert same_weights(reference / "model.safetensors", out / "model.safetensors")
+    return reference, out

@@ -58,36 +58,21 @@ def test_killed_anywhere_and_resumed_ends_with_the_uninterrupted_weights(tmp_pat
     """Issue 21: kills inside a save (the first one included), at a step boundary and in the export, then a torn
     newest checkpoint; resumed with ``latest`` until done, the weights, log and evaluations equal the uninterrupted
     run's."""
-    from accelerate.state import AcceleratorState
-
     from recipes import attractor_lm
-    from tests.helpers import Killed, kill_at_step, kill_during_save, kill_in, same_weights
+    from tests.helpers import assert_survives_kills, kill_at_step, kill_during_save, kill_in, run_recipe
 
     def main(out, *extra):
-        AcceleratorState._reset_state(True)
-        monkeypatch.setattr(sys, "argv", ["attractor_lm", "--output_dir", str(out), "--corpus", corpus, "--max_steps",
-                                          "5", "--save_every", "1", "--eval_every", "2", *TINY, *map(str, extra)])
-        attractor_lm.main()
+        run_recipe(monkeypatch, attractor_lm, "--output_dir", out, "--corpus", corpus, "--max_steps", 5,
+                   "--save_every", 1, "--eval_every", 2, *TINY, *extra)
 
     def log(out):
         return [(r["step"], r["loss"]) for r in map(json.loads, (out / "train_log.jsonl").read_text().splitlines())]
 
-    main(tmp_path / "reference")
-    out = tmp_path / "run"
-    for fault in (lambda mp: kill_during_save(mp, 1), lambda mp: kill_at_step(mp, 3),
-                  lambda mp: kill_during_save(mp, 2), lambda mp: kill_in(mp, attractor_lm, "write_json")):
-        with monkeypatch.context() as mp:
-            fault(mp)
-            with pytest.raises(Killed):
-                main(out, "--resume_from_checkpoint", "latest")
-    weights = out / "checkpoints" / "step_5" / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:64])
-    with pytest.raises(ValueError, match=r"step_5.*model\.safetensors"):
-        main(out, "--resume_from_checkpoint", weights.parent)
-    main(out, "--resume_from_checkpoint", "latest")
-    assert same_weights(tmp_path / "reference" / "model.safetensors", out / "model.safetensors")
-    assert log(out) == log(tmp_path / "reference")
-    evals = [json.loads((d / "metrics.json").read_text())["evals"] for d in (out, tmp_path / "reference")]
+    reference, out = assert_survives_kills(main, tmp_path, [
+        lambda mp: kill_during_save(mp, 1), lambda mp: kill_at_step(mp, 3), lambda mp: kill_during_save(mp, 2),
+        lambda mp: kill_in(mp, attractor_lm, "write_json")], torn="checkpoints/step_5")
+    assert log(out) == log(reference)
+    evals = [json.loads((d / "metrics.json").read_text())["evals"] for d in (out, reference)]
     assert evals[0] == evals[1] and len(evals[0]) == 2
 
 
