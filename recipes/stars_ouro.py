@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import set_seed
+from accelerate.utils import DataLoaderConfiguration, set_seed
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, PreTrainedTokenizerFast
@@ -424,6 +424,8 @@ def finetune_epochs(args, accelerator, prepared, ckpt, preemption, step, total, 
     stars = regularizer(args)
     draw = sampler(args)
     for epoch in range(args.epochs):
+        if hasattr(loader, "set_epoch"):
+            loader.set_epoch(epoch)
         skip = max(0, step * args.gradient_accumulation_steps - epoch * len(loader))
         epoch_loader = accelerator.skip_first_batches(loader, skip) if 0 < skip < len(loader) else loader
         if skip >= len(loader):
@@ -459,7 +461,11 @@ def main(argv=None):
     (args,) = HfArgumentParser(Args).parse_args_into_dataclasses(args=argv)  # unknown flags are errors
     check_args(args)
     accumulate = args.gradient_accumulation_steps if args.model is not None else 1
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=accumulate)
+    # The seedable sampler makes each epoch's shuffle a function of (seed, epoch): a run resumed in a later epoch sees
+    # the batches the interrupted one would have seen.
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=accumulate,
+                              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True,
+                                                                        data_seed=args.seed))
     accelerator.print(f"args: {json.dumps(asdict(args))}")
     accelerator.print(f"processes: {accelerator.num_processes} ({accelerator.distributed_type})")
     if args.model is None:

@@ -137,11 +137,11 @@ def run_recipe(monkeypatch, module, *argv):
     return module.main()
 
 
-def assert_survives_kills(main, tmp_path, faults, torn=None):
+def assert_survives_kills(main, tmp_path, faults, torn=None, weights="model.safetensors"):
     """The uninterrupted ``main(out)`` in ``tmp_path/reference``; then ``main(tmp_path/run, ...)`` killed by each
     fault in turn and resumed with ``latest``; then (``torn``: a checkpoint folder relative to the run) that
-    checkpoint torn and the run finished (``tear_then_resume``). The exported weights must equal the reference's
-    bitwise. Returns the two output folders."""
+    checkpoint torn and the run finished (``tear_then_resume``). The exported ``weights`` (relative to the output
+    folder) must equal the reference's bitwise. Returns the two output folders."""
     reference, out = tmp_path / "reference", tmp_path / "run"
     main(reference)
     kill_each(lambda *flags: main(out, *flags), faults)
@@ -149,5 +149,5 @@ def assert_survives_kills(main, tmp_path, faults, torn=None):
         main(out, "--resume_from_checkpoint", "latest")
     else:
         tear_then_resume(lambda *flags: main(out, *flags), out / torn)
-    assert same_weights(reference / "model.safetensors", out / "model.safetensors")
+    assert same_weights(reference / weights, out / weights)
     return reference, out
