@@ -105,7 +105,9 @@ def finish(cmd, timeout=600):
 
 
 def temp_checkpoints(out: Path) -> list:
-    return [p for p in out.rglob(".step_*.tmp")] if out.exists() else []
+    """The checkpoint folders being written under ``out`` (folders vanish while they are listed: no errors)."""
+    return [os.path.join(base, d) for base, dirs, _ in os.walk(out) for d in dirs
+            if d.startswith(".step_") and d.endswith(".tmp")]
 
 
 def killed(cmd, out: Path, when, timeout=600) -> bool:
