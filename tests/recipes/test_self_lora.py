@@ -106,12 +106,13 @@ def test_trains_only_lora_resumes_and_exports(tiny_llama, tmp_path):
     changed = {k for k in base if not torch.equal(base[k], merged[k])}
     assert changed and all(k.rsplit(".", 2)[-2] in ("q_proj", "k_proj", "v_proj", "o_proj") for k in changed)
 
-    # Resume from step 2 into a fresh folder: steps 3-4 reproduce the uninterrupted run.
+    # Resume from step 2 into a fresh folder: steps 3-4 reproduce the uninterrupted run (the log of steps 1-2 comes
+    # with the checkpoint).
     second = run(small(resumed, tiny_llama, extra=["--resume_from_checkpoint", full / "step_2"]))
-    assert [r["step"] for r in second["train_log"]] == [3, 4]
-    assert [r["loss"] for r in second["train_log"]] == pytest.approx(losses[2:], rel=1e-4)
+    assert [r["step"] for r in second["train_log"]] == [1, 2, 3, 4]
+    assert [r["loss"] for r in second["train_log"]] == losses
     again = load_file(resumed / "model.safetensors")
-    assert all(torch.allclose(merged[k], again[k], atol=1e-5) for k in merged)
+    assert all(torch.equal(merged[k], again[k]) for k in merged)
 
     # The adapter loads with PEFT on the SELF retrofit and gives the merged export's logits; the export reloads in
     # a fresh process (torch + transformers, remote code) with the same logits.
