@@ -106,8 +106,11 @@ def make_accelerator(args) -> Accelerator:
     (``args.gradient_accumulation_steps``, default 1), a fixed seed.
 
     The seedable sampler makes each epoch's shuffle a function of (seed, epoch), so a resumed run sees the batches
-    the interrupted one would have seen.
+    the interrupted one would have seen. Checkpoint flags are checked here, before any work.
     """
+    for name in ("checkpointing_steps", "save_total_limit"):
+        if getattr(args, name, 0) < 0:
+            raise ValueError(f"--{name} must be >= 0, got {getattr(args, name)}.")
     accelerator = Accelerator(mixed_precision="bf16" if args.bf16 else "no", cpu=not torch.cuda.is_available(),
                               gradient_accumulation_steps=getattr(args, "gradient_accumulation_steps", 1),
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))

@@ -226,6 +226,9 @@ def evaluate(model, val_ids, args, **knobs):
 
 def run(args):
     """Train and evaluate; returns the metrics dict (also written to ``output_dir/metrics.json``)."""
+    for name in ("save_every", "save_total_limit"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name} must be >= 0, got {getattr(args, name)}.")
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=args.mixed_precision,
                               project_config=ProjectConfiguration(project_dir=args.output_dir))
     set_seed(args.seed)

@@ -141,6 +141,8 @@ def test_glue_bad_input(tmp_path, monkeypatch):
         run(fpsa_glue, ["--task_name", "rte", "--output_dir", tmp_path, "--model_name_or_path", "x"], monkeypatch)
     with pytest.raises(ValueError, match="max_stpes"):
         run(fpsa_glue, ["--max_stpes", 2], monkeypatch)
+    with pytest.raises(ValueError, match="--save_total_limit must be >= 0"):
+        run(fpsa_glue, ["--save_total_limit", -1, "--output_dir", tmp_path], monkeypatch)
 
 
 def test_squad_trains_evaluates_and_exports(tiny_bert, tmp_path, monkeypatch):
