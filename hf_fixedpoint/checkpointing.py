@@ -149,11 +149,16 @@ class Checkpointer:
         return os.path.join(folder, f"{name}_{self.accelerator.process_index}.pt")
 
     def resolve(self, spec) -> Optional[str]:
-        """``"latest"``: the newest complete checkpoint (None if there is none yet). A folder: itself, verified."""
+        """``"latest"``: the newest complete checkpoint (None, announced, if there is none yet: a fresh start).
+        A folder: itself, verified."""
         if spec is None:
             return None
         if str(spec) == "latest":
-            return latest_complete(self.root)
+            folder = latest_complete(self.root)
+            if folder is None:
+                self.accelerator.print(f"--resume_from_checkpoint latest: no complete checkpoint in {self.root}; "
+                                       "starting from scratch")
+            return folder
         verify(spec)
         return os.fspath(spec)
 
@@ -162,8 +167,6 @@ class Checkpointer:
         ``"latest"`` finds no complete checkpoint (a fresh start, announced)."""
         folder = self.resolve(spec)
         if folder is None:
-            self.accelerator.print(f"--resume_from_checkpoint latest: no complete checkpoint in {self.root}; "
-                                   "starting from scratch")
             return None
         record = verify(folder)
         self.accelerator.load_state(folder)
