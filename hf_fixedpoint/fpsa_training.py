@@ -9,7 +9,6 @@ import itertools
 import json
 import math
 import os
-import re
 import time
 from dataclasses import dataclass, field
 
@@ -19,6 +18,7 @@ from accelerate.utils import DataLoaderConfiguration, set_seed
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
+from hf_fixedpoint.checkpointing import Checkpointer, Preemption, staged_folder, verify
 from hf_fixedpoint.core.fp_fpsa import FPSAStats
 from hf_fixedpoint.hub import export
 
@@ -46,7 +46,9 @@ class TrainingArgs:
     checkpointing_steps: int = field(default=0, metadata={"help": "save the training state every N steps (0: at "
                                                                   "the end only)"})
     resume_from_checkpoint: str = field(default=None, metadata={"help": "a step_<n> folder written by an earlier "
-                                                                        "run, or 'latest' (newest in output_dir)"})
+                                                                        "run, or 'latest' (the newest complete one "
+                                                                        "in output_dir; none yet: start fresh)"})
+    save_total_limit: int = field(default=2, metadata={"help": "keep the newest N complete checkpoints (0: all)"})
     fp_max_iter: int = field(default=None, metadata={"help": "FPSA iteration cap (default: the checkpoint's)"})
     fp_tol: float = field(default=None, metadata={"help": "FPSA relative-change tolerance (default: checkpoint's)"})
     fp_solver: str = field(default=None, metadata={"help": "FPSA forward solver: picard | anderson | ..."})
@@ -108,8 +110,11 @@ def make_accelerator(args) -> Accelerator:
     (``args.gradient_accumulation_steps``, default 1), a fixed seed.
 
     The seedable sampler makes each epoch's shuffle a function of (seed, epoch), so a resumed run sees the batches
-    the interrupted one would have seen.
+    the interrupted one would have seen. Checkpoint flags are checked here, before any work.
     """
+    for name in ("checkpointing_steps", "save_total_limit"):
+        if getattr(args, name, 0) < 0:
+            raise ValueError(f"--{name} must be >= 0, got {getattr(args, name)}.")
     accelerator = Accelerator(mixed_precision="bf16" if args.bf16 else "no", cpu=not torch.cuda.is_available(),
                               gradient_accumulation_steps=getattr(args, "gradient_accumulation_steps", 1),
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
@@ -122,35 +127,8 @@ def iteration_summary(stats) -> dict:
     return stats.summary() if stats is not None and stats.iterations_per_layer else {}
 
 
-def latest_checkpoint(output_dir):
-    """The newest ``output_dir/step_<n>`` folder."""
-    folders = [f for f in os.listdir(output_dir) if re.fullmatch(r"step_\d+", f)] if os.path.isdir(output_dir) else []
-    if not folders:
-        raise FileNotFoundError(f"resume_from_checkpoint='latest' but {output_dir!r} has no step_<n> folder")
-    return os.path.join(output_dir, max(folders, key=lambda f: int(f[5:])))
-
-
-def train(args, accelerator, model, train_loader):
-    """AdamW training loop with a warm-up schedule, gradient accumulation, clipping, progress bar, iteration statistics
-    and resume.
-
-    Args:
-        model, train_loader: not yet prepared; ``train`` prepares them with the optimizer and scheduler. Each batch is
-            a dict of model inputs with labels; the model's ``outputs.loss`` is minimised (it includes the ponder cost
-            of learned halting) and its ``outputs.fp_stats`` are logged. Only parameters with ``requires_grad`` are
-            optimised (e.g. the LoRA weights of a PEFT model).
-        args: ``learning_rate``, ``weight_decay``, ``warmup_ratio``, ``max_steps`` / ``num_train_epochs``,
-            ``max_grad_norm``, ``logging_steps``, ``checkpointing_steps``, ``output_dir``, ``resume_from_checkpoint``;
-            optional ``lr_scheduler_type`` (default ``linear``). Accumulation comes from the accelerator
-            (``make_accelerator``): a step is one optimizer step.
-    Returns:
-        ``(unwrapped model, history)``; history is a list of the logged dicts. The training state (model, optimizer,
-        scheduler, RNG) is saved with ``accelerator.save_state`` to ``output_dir/step_<n>`` every
-        ``checkpointing_steps`` and at the end, and ``resume_from_checkpoint`` continues from such a folder.
-    """
-    accumulation = accelerator.gradient_accumulation_steps
-    steps_per_epoch = max(1, math.ceil(len(train_loader) / accelerator.num_processes / accumulation))
-    total = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
+def optimizer_and_scheduler(args, accelerator, model, total):
+    """AdamW over the trainable parameters (no decay on biases and norms) and the warm-up schedule."""
     no_decay = ("bias", "LayerNorm.weight", "layernorm.weight", "norm.weight")
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [
@@ -162,61 +140,99 @@ def train(args, accelerator, model, train_loader):
     scheduler = get_scheduler(getattr(args, "lr_scheduler_type", "linear"), optimizer,
                               num_warmup_steps=int(args.warmup_ratio * total) * accelerator.num_processes,
                               num_training_steps=total * accelerator.num_processes)
+    return optimizer, scheduler
+
+
+def train(args, accelerator, model, train_loader):
+    """AdamW training loop with a warm-up schedule, gradient accumulation, clipping, progress bar, iteration
+    statistics, atomic checkpoints and exact resume.
+
+    Args:
+        model, train_loader: not yet prepared; ``train`` prepares them with the optimizer and scheduler. Each batch is
+            a dict of model inputs with labels; the model's ``outputs.loss`` is minimised (it includes the ponder cost
+            of learned halting) and its ``outputs.fp_stats`` are logged. Only parameters with ``requires_grad`` are
+            optimised (e.g. the LoRA weights of a PEFT model).
+        args: ``learning_rate``, ``weight_decay``, ``warmup_ratio``, ``max_steps`` / ``num_train_epochs``,
+            ``max_grad_norm``, ``logging_steps``, ``checkpointing_steps``, ``save_total_limit``, ``output_dir``,
+            ``resume_from_checkpoint``; optional ``lr_scheduler_type`` (default ``linear``). Accumulation comes from
+            the accelerator (``make_accelerator``): a step is one optimizer step.
+    Returns:
+        ``(unwrapped model, history)``; history is a list of the logged dicts, the steps before a resume included.
+        The training state (model, optimizer, scheduler, RNG, the log so far) is saved atomically
+        (``hf_fixedpoint.checkpointing``) to ``output_dir/step_<n>`` every ``checkpointing_steps``, at the end and on
+        SIGTERM; ``resume_from_checkpoint`` continues from such a folder, also when it is the last step (the trained
+        state is restored, nothing more is trained).
+    """
+    accumulation = accelerator.gradient_accumulation_steps
+    steps_per_epoch = max(1, math.ceil(len(train_loader) / accelerator.num_processes / accumulation))
+    total = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
+    optimizer, scheduler = optimizer_and_scheduler(args, accelerator, model, total)
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
 
-    step, resume = 0, args.resume_from_checkpoint
-    if resume:
-        resume = latest_checkpoint(args.output_dir) if resume == "latest" else resume
-        step = int(re.search(r"step_(\d+)$", os.path.normpath(resume)).group(1))
+    ckpt = Checkpointer(accelerator, args.output_dir, getattr(args, "save_total_limit", 2))
+    resume = ckpt.resolve(args.resume_from_checkpoint)
+    record = verify(resume) if resume else {"step": 0, "history": []}
+    step, history = record["step"], list(record.get("history", []))
+    if resume and (step >= total or step % steps_per_epoch == 0):
+        # At an epoch boundary the interrupted run saved before it started the next epoch's data iterator.
+        ckpt.load(resume)
+        resume = None
 
-    history, t0 = [], time.time()
-    bar = tqdm(total=total, initial=step, desc="train", disable=not accelerator.is_local_main_process)
+    t0 = time.time() - (history[-1]["seconds"] if history else 0.0)
+    bar = tqdm(total=total, initial=min(step, total), desc="train", disable=not accelerator.is_local_main_process)
     losses, stats = [], []
     model.train()
-    while step < total:
-        epoch, done = divmod(step, steps_per_epoch)
-        if hasattr(train_loader, "set_epoch"):
-            train_loader.set_epoch(epoch)
-        skip = done * accumulation
-        batches = iter(accelerator.skip_first_batches(train_loader, skip) if skip else train_loader)
-        first = next(batches, None)
-        if resume:
-            # Restored only now: starting the data iterator draws from the global RNG, as it did in the
-            # interrupted run before the checkpoint was written, so the dropout masks match that run's.
-            accelerator.load_state(resume)
-            accelerator.print(f"resumed from {resume} at step {step}")
-            resume = None
-        for batch in itertools.chain([first] if first is not None else [], batches):
-            with accelerator.accumulate(model):
-                outputs = model(**batch)
-                accelerator.backward(outputs.loss)
-                if accelerator.sync_gradients and args.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
-            losses.append(outputs.loss.detach())
-            if getattr(outputs, "fp_stats", None) is not None:
-                stats.append(outputs.fp_stats)
-            if not accelerator.sync_gradients:
-                continue
-            step += 1
-            bar.update(1)
-            if step % args.logging_steps == 0 or step == total:
-                # Mean loss over the micro-batches (and processes) of the last optimizer step.
-                loss = accelerator.gather(torch.stack(losses)).float().mean().item()
-                record = {"step": step, "loss": loss, "lr": scheduler.get_last_lr()[0],
-                          **iteration_summary(FPSAStats.merge(stats) if stats else None), "seconds": time.time() - t0}
-                history.append(record)
-                bar.set_postfix(loss=f"{loss:.3f}")
-                accelerator.print(" ".join(f"{k} {v:.4g}" for k, v in record.items()))
-            losses, stats = [], []
-            if (args.checkpointing_steps > 0 and step % args.checkpointing_steps == 0) or step == total:
-                accelerator.save_state(os.path.join(args.output_dir, f"step_{step}"))
-            if step >= total:
-                break
+    with Preemption(accelerator) as preemption:
+        while step < total:
+            epoch, done = divmod(step, steps_per_epoch)
+            if hasattr(train_loader, "set_epoch"):
+                train_loader.set_epoch(epoch)
+            skip = done * accumulation
+            batches = iter(accelerator.skip_first_batches(train_loader, skip) if skip else train_loader)
+            first = next(batches, None)
+            if resume:
+                # Mid-epoch, restored only now: starting the data iterator draws from the global RNG, as it did in
+                # the interrupted run before the checkpoint was written, so the dropout masks match that run's.
+                ckpt.load(resume)
+                resume = None
+            for batch in itertools.chain([first] if first is not None else [], batches):
+                with accelerator.accumulate(model):
+                    outputs = model(**batch)
+                    accelerator.backward(outputs.loss)
+                    if accelerator.sync_gradients and args.max_grad_norm > 0:
+                        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad()
+                losses.append(outputs.loss.detach())
+                if getattr(outputs, "fp_stats", None) is not None:
+                    stats.append(outputs.fp_stats)
+                if not accelerator.sync_gradients:
+                    continue
+                step += 1
+                bar.update(1)
+                if step % args.logging_steps == 0 or step == total:
+                    history.append(log_step(accelerator, bar, step, losses, stats, scheduler, t0))
+                losses, stats = [], []
+                stop = preemption.requested()
+                if (args.checkpointing_steps > 0 and step % args.checkpointing_steps == 0) or step == total or stop:
+                    folder = ckpt.save(step, history=history)
+                    if stop:
+                        preemption.exit(folder)
+                if step >= total:
+                    break
     bar.close()
     return accelerator.unwrap_model(model), history
+
+
+def log_step(accelerator, bar, step, losses, stats, scheduler, t0) -> dict:
+    """The log record of an optimizer step: mean loss over its micro-batches (and processes), lr, iterations."""
+    loss = accelerator.gather(torch.stack(losses)).float().mean().item()
+    record = {"step": step, "loss": loss, "lr": scheduler.get_last_lr()[0],
+              **iteration_summary(FPSAStats.merge(stats) if stats else None), "seconds": time.time() - t0}
+    bar.set_postfix(loss=f"{loss:.3f}")
+    accelerator.print(" ".join(f"{k} {v:.4g}" for k, v in record.items()))
+    return record
 
 
 def finish(args, accelerator, model, metrics: dict, history: list, tokenizer=None) -> None:
@@ -228,9 +244,11 @@ def finish(args, accelerator, model, metrics: dict, history: list, tokenizer=Non
     accelerator.print("eval " + " ".join(f"{k} {v:.3g}" for k, v in metrics.items()))
     accelerator.print("metrics: " + json.dumps(metrics))
     if accelerator.is_main_process:
-        export(model, args.output_dir)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(args.output_dir)
-        with open(os.path.join(args.output_dir, "metrics.json"), "w") as fh:
-            json.dump({"eval": metrics, "train_log": history}, fh, indent=2)
+        # Staged: a kill during the export leaves a folder that does not load, never one that half loads.
+        with staged_folder(args.output_dir) as stage:
+            export(model, stage)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(stage)
+            with open(os.path.join(stage, "metrics.json"), "w") as fh:
+                json.dump({"eval": metrics, "train_log": history}, fh, indent=2)
         accelerator.print(f"exported to {args.output_dir}")

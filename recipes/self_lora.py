@@ -54,6 +54,7 @@ from transformers import (
 )
 
 from hf_fixedpoint import fpsa_training
+from hf_fixedpoint.checkpointing import staged_folder
 from hf_fixedpoint.core.fp_fpsa import FPSAStats
 from hf_fixedpoint.core.fp_registry import check_number
 from hf_fixedpoint.hub import export
@@ -353,17 +354,19 @@ def main(argv=None):
     model, history = fpsa_training.train(args, accelerator, model, train_loader)
 
     # Export: the adapter alone, then the merged model (self-contained remote code) + tokenizer; evaluate the merge.
-    if accelerator.is_main_process:
-        model.save_pretrained(os.path.join(args.output_dir, "adapter"))
-    model = model.merge_and_unload()
-    after = evaluate_caps(model, tokenizer, eval_set, args, accelerator, caps, "after training")
-    metrics = {"eval_before_training": before, "eval": after, "train_log": history,
-               "model_name_or_path": args.model_name_or_path, "lora_trainable_parameters": trainable}
-    if accelerator.is_main_process:
-        export(model, args.output_dir)
-        tokenizer.save_pretrained(args.output_dir)
-        with open(os.path.join(args.output_dir, "metrics.json"), "w") as fh:
-            json.dump(metrics, fh, indent=2)
+    # Staged: a kill during the export leaves a folder that does not load, never one that half loads.
+    with staged_folder(args.output_dir, accelerator.is_main_process) as stage:
+        if accelerator.is_main_process:
+            model.save_pretrained(os.path.join(stage, "adapter"))
+        model = model.merge_and_unload()
+        after = evaluate_caps(model, tokenizer, eval_set, args, accelerator, caps, "after training")
+        metrics = {"eval_before_training": before, "eval": after, "train_log": history,
+                   "model_name_or_path": args.model_name_or_path, "lora_trainable_parameters": trainable}
+        if accelerator.is_main_process:
+            export(model, stage)
+            tokenizer.save_pretrained(stage)
+            with open(os.path.join(stage, "metrics.json"), "w") as fh:
+                json.dump(metrics, fh, indent=2)
         accelerator.print(f"exported the merged model to {args.output_dir} (AutoModelForCausalLM.from_pretrained(dir, "
                           f"trust_remote_code=True)) and the adapter to {args.output_dir}/adapter")
     return metrics

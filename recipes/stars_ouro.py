@@ -20,7 +20,6 @@ one loop count per micro-batch (log-normal mu 1.7, sigma 0.4, clipped to [1, 16]
 ``accelerator.save_state`` checkpoints and ``--resume_from_checkpoint``.
 """
 
-import glob
 import json
 import math
 import os
@@ -32,12 +31,13 @@ from typing import Optional
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import set_seed
+from accelerate.utils import DataLoaderConfiguration, set_seed
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, PreTrainedTokenizerFast
 from transformers.optimization import get_wsd_schedule
 
+from hf_fixedpoint.checkpointing import Checkpointer, Preemption, Stateful, staged_folder, write_json
 from hf_fixedpoint.modeling import OuroConfig, OuroForCausalLM
 from hf_fixedpoint.stars import STARSRegularizer, loop_sampler
 
@@ -101,8 +101,14 @@ class Args:
     min_lr_ratio: float = field(default=0.001, metadata={"help": "WSD final lr / peak lr"})
     bf16: bool = field(default=True, metadata={"help": "bf16 weights (bf16-true, no autocast)"})
     gradient_checkpointing: bool = field(default=True, metadata={"help": "recompute layers in the backward"})
-    save_every: int = field(default=300, metadata={"help": "optimizer steps between resumable checkpoints"})
-    resume_from_checkpoint: Optional[str] = field(default=None, metadata={"help": "a checkpoint dir or 'latest'"})
+    # --- checkpoints (both modes)
+    save_every: int = field(default=300, metadata={"help": "optimizer steps between resumable checkpoints (and one "
+                                                            "at the end of each run)"})
+    save_total_limit: int = field(default=2, metadata={"help": "keep the newest N complete checkpoints (0: all)"})
+    resume_from_checkpoint: Optional[str] = field(default=None, metadata={"help": "'latest' (the newest complete "
+                                                                                   "checkpoint; none: start fresh) "
+                                                                                   "or a checkpoints/.../step_<n> "
+                                                                                   "folder"})
 
 
 def check_args(args):
@@ -114,6 +120,8 @@ def check_args(args):
                  "log_every", "min_loops", "reg_iters", "max_seq_length"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}.")
+    if args.save_total_limit < 0:
+        raise ValueError(f"--save_total_limit must be >= 0 (0: keep all), got {args.save_total_limit}.")
     if args.reg_warmup_steps < 0 or (args.reg_max_batch or 0) < 0:
         raise ValueError("--reg_warmup_steps and --reg_max_batch must be >= 0.")
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
@@ -199,9 +207,22 @@ def exact_match(model, ids, labels, loops, batch=500):
 
 
 # ---------------------------------------------------------------------------------------------------------- addition
+def resume_spec(args, run):
+    """What ``run`` resumes from: ``--resume_from_checkpoint`` when it is ``latest`` or one of this run's folders
+    (``checkpoints/<run>/step_<n>``); the run's newest complete checkpoint when the folder belongs to the other run."""
+    spec = args.resume_from_checkpoint
+    if spec is None or spec == "latest":
+        return spec
+    return spec if os.path.basename(os.path.dirname(os.path.normpath(spec))) == run else "latest"
+
+
 def train_addition(args, accelerator, tokenizer, run):
-    """Train one tiny Ouro from scratch: ``run="stars"`` (sampled loops + JSRR) or ``"baseline"`` (fixed loops)."""
+    """Train one tiny Ouro from scratch: ``run="stars"`` (sampled loops + JSRR) or ``"baseline"`` (fixed loops).
+
+    Checkpoints go to ``output_dir/checkpoints/<run>/step_<n>`` every ``save_every`` steps and at the end; a resumed
+    run (data stream, RNG, optimizer and schedule restored) ends with the uninterrupted run's weights."""
     set_seed(args.seed)
+    accelerator.free_memory()  # save_state saves every prepared object: only this run's
     config = OuroConfig(vocab_size=len(tokenizer), hidden_size=args.hidden_size,
                         intermediate_size=4 * args.hidden_size, num_hidden_layers=args.num_layers,
                         num_attention_heads=args.num_heads, num_key_value_heads=args.num_heads,
@@ -218,24 +239,34 @@ def train_addition(args, accelerator, tokenizer, run):
     stars = regularizer(args)
     draw = sampler(args)
     g = torch.Generator().manual_seed(args.seed * 1000 + accelerator.process_index + 1)  # a data stream per rank
-    bar = tqdm(range(args.max_steps), desc=run, disable=not accelerator.is_local_main_process)
-    t0 = time.time()
-    for step in bar:
-        ids, labels = addition_batch(args.batch_size, args.digits, g, tokenizer)
-        loops = draw(step) if run == "stars" else args.train_loops
-        out = model(ids.to(accelerator.device), labels=labels.to(accelerator.device), total_ut_steps=loops,
-                    use_cache=False)
-        loss, reg = stars(accelerator.unwrap_model(model), out, step) if run == "stars" else (out.loss, None)
-        accelerator.backward(loss)
-        accelerator.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-        bar.set_postfix(loss=f"{out.loss.item():.3f}", loops=loops)
-        if (step + 1) % args.log_every == 0 or step + 1 == args.max_steps:
-            logger.info(f"[{run}] step {step + 1} lm_loss {out.loss.item():.4f} "
-                        f"jsrr {'-' if reg is None else f'{reg.item():.4f}'} loops {loops} "
-                        f"({time.time() - t0:.0f}s)", main_process_only=True)
+    ckpt = Checkpointer(accelerator, os.path.join(args.output_dir, "checkpoints", run), args.save_total_limit,
+                        objects={"data": Stateful(stream=g)})
+    record = ckpt.load(resume_spec(args, run)) if args.resume_from_checkpoint else None
+    start, seconds = (record["step"], record["seconds"]) if record else (0, 0.0)
+    bar = tqdm(range(start, args.max_steps), desc=run, disable=not accelerator.is_local_main_process)
+    t0 = time.time() - seconds
+    with Preemption(accelerator) as preemption:
+        for step in bar:
+            ids, labels = addition_batch(args.batch_size, args.digits, g, tokenizer)
+            loops = draw(step) if run == "stars" else args.train_loops
+            out = model(ids.to(accelerator.device), labels=labels.to(accelerator.device), total_ut_steps=loops,
+                        use_cache=False)
+            loss, reg = stars(accelerator.unwrap_model(model), out, step) if run == "stars" else (out.loss, None)
+            accelerator.backward(loss)
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            bar.set_postfix(loss=f"{out.loss.item():.3f}", loops=loops)
+            if (step + 1) % args.log_every == 0 or step + 1 == args.max_steps:
+                logger.info(f"[{run}] step {step + 1} lm_loss {out.loss.item():.4f} "
+                            f"jsrr {'-' if reg is None else f'{reg.item():.4f}'} loops {loops} "
+                            f"({time.time() - t0:.0f}s)", main_process_only=True)
+            stop = preemption.requested()
+            if (step + 1) % args.save_every == 0 or step + 1 == args.max_steps or stop:
+                folder = ckpt.save(step + 1, seconds=time.time() - t0)
+                if stop:
+                    preemption.exit(folder)
     return accelerator.unwrap_model(model), time.time() - t0
 
 
@@ -268,9 +299,10 @@ def addition_demo(args, accelerator):
     for run in [r.strip() for r in args.runs.split(",") if r.strip()]:
         model, seconds[run] = train_addition(args, accelerator, tokenizer, run)
         results[run] = {str(c): exact_match(model, eval_ids, eval_labels, c) for c in counts}
-        if accelerator.is_main_process:
-            model.save_pretrained(os.path.join(args.output_dir, run))
-            tokenizer.save_pretrained(os.path.join(args.output_dir, run))
+        if accelerator.is_main_process:  # staged: a kill here leaves a folder that does not load, never a mix
+            with staged_folder(os.path.join(args.output_dir, run)) as stage:
+                model.save_pretrained(stage)
+                tokenizer.save_pretrained(stage)
     header = "loops      " + "".join(f"{c:>7d}" for c in counts)
     lines = [header] + [f"{run:<11s}" + "".join(f"{100 * accs[str(c)]:7.1f}" for c in counts)
                         for run, accs in results.items()]
@@ -278,10 +310,11 @@ def addition_demo(args, accelerator):
                       f"trained with {args.train_loops} loops:\n" + "\n".join(lines))
     if accelerator.is_main_process:
         os.makedirs(args.output_dir, exist_ok=True)
-        plot(results, counts, args.train_loops, os.path.join(args.output_dir, "accuracy_vs_loops.png"))
-        metrics = {"exact_match": results, "train_seconds": seconds, "args": asdict(args)}
-        with open(os.path.join(args.output_dir, "metrics.json"), "w") as fh:
-            json.dump(metrics, fh, indent=2)
+        png = os.path.join(args.output_dir, "accuracy_vs_loops.png")
+        plot(results, counts, args.train_loops, png + ".tmp.png")
+        os.replace(png + ".tmp.png", png)
+        write_json(os.path.join(args.output_dir, "metrics.json"),
+                   {"exact_match": results, "train_seconds": seconds, "args": asdict(args)})
         accelerator.print(f"saved {args.output_dir}/accuracy_vs_loops.png, metrics.json and the models "
                           f"{sorted(results)}; load one with AutoModelForCausalLM.from_pretrained("
                           f"{os.path.join(args.output_dir, next(iter(results)))!r}, trust_remote_code=True)")
@@ -341,12 +374,6 @@ def collate(batch, pad_id):
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
-def latest_checkpoint(output_dir):
-    found = sorted(glob.glob(os.path.join(output_dir, "checkpoints", "step_*")),
-                   key=lambda p: int(p.rsplit("_", 1)[1]))
-    return found[-1] if found else None
-
-
 def finetune(args, accelerator):
     import hf_fixedpoint.modeling  # noqa: F401  (model_type "ouro" -> the native OuroForCausalLM)
 
@@ -373,20 +400,32 @@ def finetune(args, accelerator):
                                  num_decay_steps=int(args.decay_ratio * total), num_training_steps=total,
                                  min_lr_ratio=args.min_lr_ratio)
     accelerator.register_for_checkpointing(scheduler)
+
+    ckpt = Checkpointer(accelerator, os.path.join(args.output_dir, "checkpoints"), args.save_total_limit)
+    record = ckpt.load(args.resume_from_checkpoint) if args.resume_from_checkpoint else None
+    step = record["step"] if record else 0
+    bar = tqdm(total=total, initial=step, desc="fine-tune", disable=not accelerator.is_local_main_process)
+    with Preemption(accelerator) as preemption:
+        step = finetune_epochs(args, accelerator, (model, optimizer, loader, scheduler), ckpt, preemption, step,
+                               total, bar)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:  # staged: a kill here leaves a folder that does not load, never a mix
+        final = os.path.join(args.output_dir, "final")
+        with staged_folder(final) as stage:
+            accelerator.unwrap_model(model).save_pretrained(stage)
+            tokenizer.save_pretrained(stage)
+        accelerator.print(f"saved {final}")
+
+
+def finetune_epochs(args, accelerator, prepared, ckpt, preemption, step, total, bar):
+    """The fine-tuning loop from optimizer step ``step``: skips the micro-batches already trained on, saves a
+    checkpoint every ``save_every`` steps, at the end and on SIGTERM (then exits). Returns the last step."""
+    model, optimizer, loader, scheduler = prepared
     stars = regularizer(args)
     draw = sampler(args)
-
-    step, resume = 0, args.resume_from_checkpoint
-    if resume == "latest":
-        resume = latest_checkpoint(args.output_dir)
-    if resume:
-        accelerator.load_state(resume)
-        step = json.load(open(os.path.join(resume, "progress.json")))["step"]
-        accelerator.print(f"resumed from {resume} at optimizer step {step}")
-
-    bar = tqdm(total=total, initial=step, desc="fine-tune", disable=not accelerator.is_local_main_process)
-    micro = 0
     for epoch in range(args.epochs):
+        if hasattr(loader, "set_epoch"):
+            loader.set_epoch(epoch)
         skip = max(0, step * args.gradient_accumulation_steps - epoch * len(loader))
         epoch_loader = accelerator.skip_first_batches(loader, skip) if 0 < skip < len(loader) else loader
         if skip >= len(loader):
@@ -410,24 +449,23 @@ def finetune(args, accelerator):
                 logger.info(f"step {step} lm_loss {out.loss.item():.4f} "
                             f"jsrr {'-' if reg is None else f'{reg.item():.4f}'} loops {loops} "
                             f"lr {scheduler.get_last_lr()[0]:.2e}", main_process_only=True)
-                if step % args.save_every == 0 or step == total:
-                    ckpt = os.path.join(args.output_dir, "checkpoints", f"step_{step}")
-                    accelerator.save_state(ckpt)
-                    if accelerator.is_main_process:
-                        json.dump({"step": step}, open(os.path.join(ckpt, "progress.json"), "w"))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        final = os.path.join(args.output_dir, "final")
-        accelerator.unwrap_model(model).save_pretrained(final)
-        tokenizer.save_pretrained(final)
-        accelerator.print(f"saved {final}")
+                stop = preemption.requested()
+                if step % args.save_every == 0 or step == total or stop:
+                    folder = ckpt.save(step)
+                    if stop:
+                        preemption.exit(folder)
+    return step
 
 
 def main(argv=None):
     (args,) = HfArgumentParser(Args).parse_args_into_dataclasses(args=argv)  # unknown flags are errors
     check_args(args)
     accumulate = args.gradient_accumulation_steps if args.model is not None else 1
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=accumulate)
+    # The seedable sampler makes each epoch's shuffle a function of (seed, epoch): a run resumed in a later epoch sees
+    # the batches the interrupted one would have seen.
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=accumulate,
+                              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True,
+                                                                        data_seed=args.seed))
     accelerator.print(f"args: {json.dumps(asdict(args))}")
     accelerator.print(f"processes: {accelerator.num_processes} ({accelerator.distributed_type})")
     if args.model is None:

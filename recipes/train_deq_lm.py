@@ -9,6 +9,10 @@ tokenizer is trained on it with `tokenizers`. The model is solved with Anderson 
 At the end the recipe reports held-out perplexity before and after training, and at 1 vs ``fp_max_iter`` solver
 iterations (a fixed-point model gets better with more test-time iterations), then saves a checkpoint that loads with
 ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` where hf-fixedpoint is not installed.
+
+Checkpoints (``hf_fixedpoint.checkpointing``): atomic ``output_dir/checkpoints/step_<n>`` folders every
+``--save_every`` steps, at the end and on SIGTERM; ``--resume_from_checkpoint latest`` continues with the
+uninterrupted run's data stream, RNG, optimizer and schedule.
 """
 
 import importlib
@@ -26,6 +30,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import HfArgumentParser, PreTrainedTokenizerFast
 
 from hf_fixedpoint import merge_stats
+from hf_fixedpoint.checkpointing import Checkpointer, Preemption, Stateful, staged_folder
 from hf_fixedpoint.modeling import DEQLMConfig, DEQLMForCausalLM
 
 CORPUS_MODULES = ["argparse", "collections", "csv", "datetime", "decimal", "email", "fractions", "functools", "heapq",
@@ -49,6 +54,11 @@ class Args:
     fp_tol: float = field(default=1e-3, metadata={"help": "relative residual tolerance"})
     seed: int = field(default=0, metadata={"help": "random seed"})
     log_every: int = field(default=25, metadata={"help": "steps between log lines"})
+    save_every: int = field(default=0, metadata={"help": "steps between resumable checkpoints (0: only at the end)"})
+    save_total_limit: int = field(default=2, metadata={"help": "keep the newest N complete checkpoints (0: all)"})
+    resume_from_checkpoint: str = field(default=None, metadata={"help": "a checkpoints/step_<n> folder, or 'latest' "
+                                                                        "(the newest complete one; none: start "
+                                                                        "fresh)"})
 
 
 def build_corpus():
@@ -85,6 +95,9 @@ def perplexity(model, data, seq_length, fp_overrides=None):
 
 def main():
     (args,) = HfArgumentParser(Args).parse_args_into_dataclasses()  # unknown flags are errors
+    for name in ("save_every", "save_total_limit"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name} must be >= 0, got {getattr(args, name)}.")
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     set_seed(args.seed)
     accelerator.print(f"args: {json.dumps(asdict(args))}")
@@ -109,24 +122,34 @@ def main():
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
 
-    # Training loop: random windows of the training tokens, a different stream per process.
+    # Training loop: random windows of the training tokens, a different stream per process (saved with checkpoints).
     g = torch.Generator().manual_seed(args.seed + accelerator.process_index)
-    t0 = time.time()
-    for step in range(1, args.max_steps + 1):
-        starts = torch.randint(0, len(train_ids) - args.seq_length, (args.batch_size,), generator=g)
-        batch = torch.stack([train_ids[s : s + args.seq_length] for s in starts]).to(accelerator.device)
-        out = model(batch, labels=batch)
-        accelerator.backward(out.loss)
-        accelerator.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-        if step % args.log_every == 0 or step == args.max_steps:
-            s = merge_stats([out.fp_stats])
-            accelerator.print(f"step {step:4d} loss {out.loss.item():.3f} fp_nfe {s['fp_nfe']:.0f} "
-                              f"converged {s['fp_converged_fraction']:.2f} "
-                              f"adjoint_nfe {s.get('fp_backward_nfe', 0):.0f} "
-                              f"({time.time() - t0:.0f}s)")
+    ckpt = Checkpointer(accelerator, os.path.join(args.output_dir, "checkpoints"), args.save_total_limit,
+                        objects={"data": Stateful(stream=g)})
+    record = ckpt.load(args.resume_from_checkpoint) if args.resume_from_checkpoint else None
+    start, seconds = (record["step"], record["seconds"]) if record else (0, 0.0)
+    t0 = time.time() - seconds
+    with Preemption(accelerator) as preemption:
+        for step in range(start + 1, args.max_steps + 1):
+            starts = torch.randint(0, len(train_ids) - args.seq_length, (args.batch_size,), generator=g)
+            batch = torch.stack([train_ids[s : s + args.seq_length] for s in starts]).to(accelerator.device)
+            out = model(batch, labels=batch)
+            accelerator.backward(out.loss)
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            if step % args.log_every == 0 or step == args.max_steps:
+                s = merge_stats([out.fp_stats])
+                accelerator.print(f"step {step:4d} loss {out.loss.item():.3f} fp_nfe {s['fp_nfe']:.0f} "
+                                  f"converged {s['fp_converged_fraction']:.2f} "
+                                  f"adjoint_nfe {s.get('fp_backward_nfe', 0):.0f} "
+                                  f"({time.time() - t0:.0f}s)")
+            stop = preemption.requested()
+            if (args.save_every and step % args.save_every == 0) or step == args.max_steps or stop:
+                folder = ckpt.save(step, seconds=time.time() - t0)
+                if stop:
+                    preemption.exit(folder)
 
     # Evaluation: perplexity after training, and with a single solver iteration instead of fp_max_iter.
     model = accelerator.unwrap_model(model)
@@ -136,12 +159,12 @@ def main():
     accelerator.print("metrics: " + json.dumps({k: round(v, 3) for k, v in metrics.items()}))
 
     # Save: a self-contained checkpoint (code + vendored solvers + auto_map) and the tokenizer.
-    if accelerator.is_main_process:
-        os.makedirs(args.output_dir, exist_ok=True)
-        model.save_pretrained(args.output_dir)
-        tokenizer.save_pretrained(args.output_dir)
-        with open(os.path.join(args.output_dir, "metrics.json"), "w") as fh:
-            json.dump(metrics, fh, indent=2)
+    if accelerator.is_main_process:  # staged: a kill here leaves a folder that does not load, never a mix
+        with staged_folder(args.output_dir) as stage:
+            model.save_pretrained(stage)
+            tokenizer.save_pretrained(stage)
+            with open(os.path.join(stage, "metrics.json"), "w") as fh:
+                json.dump(metrics, fh, indent=2)
         accelerator.print(f"saved to {args.output_dir}: load with AutoModelForCausalLM.from_pretrained("
                           f"{args.output_dir!r}, trust_remote_code=True)")
 

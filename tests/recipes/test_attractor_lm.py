@@ -49,9 +49,31 @@ def test_train_save_and_resume(tmp_path, corpus):
     assert model.generate(**prompt, max_new_tokens=3, do_sample=False).shape[1] == prompt["input_ids"].shape[1] + 3
     stdout = run("--output_dir", str(out), "--corpus", corpus, "--max_steps", "4", "--resume_from_checkpoint",
                  "latest", *TINY)
-    assert "at step 2" in stdout  # the checkpoint written at step 2
+    assert "at step 3" in stdout  # the checkpoint written at the end
     steps = [json.loads(line)["step"] for line in (out / "train_log.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 3, 4]
+    assert steps == [1, 2, 3, 4]  # each step logged once
+
+
+def test_killed_anywhere_and_resumed_ends_with_the_uninterrupted_weights(tmp_path, corpus, monkeypatch):
+    """Issue 21: kills inside a save (the first one included), at a step boundary and in the export, then a torn
+    newest checkpoint; resumed with ``latest`` until done, the weights, log and evaluations equal the uninterrupted
+    run's."""
+    from recipes import attractor_lm
+    from tests.helpers import assert_survives_kills, kill_at_step, kill_during_save, kill_in, run_recipe
+
+    def main(out, *extra):
+        run_recipe(monkeypatch, attractor_lm, "--output_dir", out, "--corpus", corpus, "--max_steps", 5,
+                   "--save_every", 1, "--eval_every", 2, *TINY, *extra)
+
+    def log(out):
+        return [(r["step"], r["loss"]) for r in map(json.loads, (out / "train_log.jsonl").read_text().splitlines())]
+
+    reference, out = assert_survives_kills(main, tmp_path, [
+        lambda mp: kill_during_save(mp, 1), lambda mp: kill_at_step(mp, 3), lambda mp: kill_during_save(mp, 2),
+        lambda mp: kill_in(mp, attractor_lm, "write_json")], torn="checkpoints/step_5")
+    assert log(out) == log(reference)
+    evals = [json.loads((d / "metrics.json").read_text())["evals"] for d in (out, reference)]
+    assert evals[0] == evals[1] and len(evals[0]) == 2
 
 
 def test_comparison_models_and_optimizer(corpus):

@@ -75,7 +75,7 @@ def test_glue_trains_logs_iterations_resumes_and_exports(tiny_bert, tmp_path, mo
     # Resume from step 2 into a fresh folder: steps 3-4 only, ending at (nearly) the uninterrupted weights.
     run(fpsa_glue, common(resumed, tiny_bert) + fast + ["--resume_from_checkpoint", full / "step_2"], monkeypatch)
     assert "resumed from" in capsys.readouterr().out
-    assert [r["step"] for r in json.loads((resumed / "metrics.json").read_text())["train_log"]] == [3, 4]
+    assert [r["step"] for r in json.loads((resumed / "metrics.json").read_text())["train_log"]] == [1, 2, 3, 4]
     a, b = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
     start = load_file(full / "step_2" / "model.safetensors")
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
@@ -141,6 +141,8 @@ def test_glue_bad_input(tmp_path, monkeypatch):
         run(fpsa_glue, ["--task_name", "rte", "--output_dir", tmp_path, "--model_name_or_path", "x"], monkeypatch)
     with pytest.raises(ValueError, match="max_stpes"):
         run(fpsa_glue, ["--max_stpes", 2], monkeypatch)
+    with pytest.raises(ValueError, match="--save_total_limit must be >= 0"):
+        run(fpsa_glue, ["--save_total_limit", -1, "--output_dir", tmp_path], monkeypatch)
 
 
 def test_squad_trains_evaluates_and_exports(tiny_bert, tmp_path, monkeypatch):
@@ -174,7 +176,7 @@ def test_vit_trains_resumes_and_exports(tmp_path, monkeypatch):
     run(fpsa_vit, common(out, steps=2) + tiny, monkeypatch)
     run(fpsa_vit, common(out, steps=3) + tiny + ["--resume_from_checkpoint", "latest"], monkeypatch)
     metrics = json.loads((out / "metrics.json").read_text())
-    assert [r["step"] for r in metrics["train_log"]] == [3]
+    assert [r["step"] for r in metrics["train_log"]] == [1, 2, 3]  # the log of the resumed steps included
     assert 0.0 <= metrics["eval"]["accuracy"] <= 1.0 and metrics["eval"]["fpsa_iter_max"] <= 3
     model = AutoModelForImageClassification.from_pretrained(out, trust_remote_code=True)
     assert model(pixel_values=torch.zeros(2, 1, 8, 8)).logits.shape == (2, 10)

@@ -86,10 +86,31 @@ def test_resume_continues_from_the_saved_step(tmp_path, capsys):
               "--output_dir", str(out)]
     first = run([*common, "--max_steps", "2"], tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
-    main([*common, "--max_steps", "4", "--resume_from", str(out / "state")])
+    with pytest.warns(FutureWarning, match="--resume_from is deprecated"):
+        main([*common, "--max_steps", "4", "--resume_from", str(out / "checkpoints" / "step_2")])
     assert "resumed from" in capsys.readouterr().out
     steps = [h["step"] for h in json.loads((out / "metrics.json").read_text())["history"]]
     assert steps == [2, 4]
+
+
+def test_killed_anywhere_and_resumed_ends_with_the_uninterrupted_weights(tmp_path):
+    """Issue 21: kills inside a save, at step boundaries (carry, data order, EMA and halting state mid-flight), on
+    SIGTERM and in the export; resumed with ``latest`` until done, the exported EMA weights and every evaluation
+    equal the uninterrupted run's."""
+    from recipes import reasoning
+    from tests.helpers import assert_survives_kills, kill_at_step, kill_during_save, kill_in, sigterm_at_step
+
+    def main(out, *extra):
+        reasoning.main(["--model", "trm", *TINY, "--model_kwargs", SMALL["trm"], "--num_layers", "1", "--max_steps",
+                        "7", "--eval_every", "3", "--save_every", "1", "--output_dir", str(out), *map(str, extra)])
+
+    def evals(out):
+        return json.loads((out / "metrics.json").read_text())["history"]
+
+    reference, out = assert_survives_kills(main, tmp_path, [
+        lambda mp: kill_during_save(mp, 2), lambda mp: kill_at_step(mp, 3), lambda mp: sigterm_at_step(mp, 2),
+        lambda mp: kill_in(mp, reasoning, "write_json")], torn="checkpoints/step_7")
+    assert evals(out) == evals(reference) and [h["step"] for h in evals(out)] == [3, 6, 7]
 
 
 def test_init_from_trains_in_training_mode(tmp_path, monkeypatch):

@@ -78,7 +78,7 @@ def test_finetune_with_accumulation_and_resume(pretrained, tmp_path):
     proc = _run(_finetune_args(pretrained, out) + ["--resume_from_checkpoint", str(out / "checkpoints" / "step_1")],
                 tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resumed from" in proc.stdout and "at optimizer step 1" in proc.stdout
+    assert "resumed from" in proc.stdout and "at step 1" in proc.stdout
     assert "step 2 lm_loss" in proc.stderr and "step 1 lm_loss" not in proc.stderr
 
 
@@ -112,3 +112,22 @@ def test_bad_flags(flags, message):
 def test_unknown_flag_is_an_error(tmp_path):
     proc = _run(["--max_stpes", "2"], tmp_path, timeout=300)
     assert proc.returncode != 0 and "max_stpes" in proc.stderr
+
+
+def test_finetune_killed_in_a_later_epoch_and_resumed_ends_with_the_uninterrupted_weights(pretrained, tmp_path):
+    """Issue 21: fp32, two epochs of two steps; killed saving step 4 (the last) and then in the export, the run resumes
+    inside the second epoch (its shuffle is a function of (seed, epoch)) and ends bitwise where the uninterrupted one
+    did."""
+    from accelerate.state import AcceleratorState
+
+    from recipes import stars_ouro
+    from tests.helpers import assert_survives_kills, kill_during_save, kill_in
+
+    def run(out, *extra):
+        AcceleratorState._reset_state(True)
+        stars_ouro.main([str(a) for a in [*_finetune_args(pretrained, out), "--epochs", 2, "--bf16", "False",
+                                          "--finetune_lr", 1e-2, *extra]])
+
+    assert_survives_kills(run, tmp_path, [lambda mp: kill_during_save(mp, 4),
+                                          lambda mp: kill_in(mp, stars_ouro, "staged_folder")],
+                          torn="checkpoints/step_4", weights="final/model.safetensors")
