@@ -180,8 +180,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer timing repeats")
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--checkpoint", default=None, help="(b) on this FPSA-BERT export (e.g. of recipes/fpsa_glue.py) "
-                                                           "instead of the untrained MiniLM retrofit")
+    parser.add_argument("--checkpoint", default=None,
+                        help="(b) on this FPSA-BERT export (e.g. of recipes/fpsa_glue.py), not the untrained retrofit")
     args = parser.parse_args(argv)
     path, tok = load()
     print(f"torch {torch.__version__}, model: {path}")
