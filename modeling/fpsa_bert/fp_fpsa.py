@@ -441,21 +441,8 @@ def fpsa_attention(
     # still have an open head only, reusing the cached keys of the others.
     sparse = halting == "tolerance" and not extra and max_iter > 1 and getattr(module, "is_causal", True) is False
 
-    def sparse_f(o, res, v, mask, keys, stale, active=None):
-        tokens = None if active is None else (active if active.dim() == 2 else active.any(-1))
-        if tokens is None or bool(tokens.all()):
-            z = state(o, res)
-            k = key(z)
-            if not torch.is_grad_enabled():  # the solve's own evaluations; a backward's keep their graph
-                k = keys.copy_(k)
-                stale.fill_(True)
-            q = query(z) if inv_tau is None else query(z) * inv_tau
-            new = attention_fn(module, q, k, v, mask, dropout=0.0, scaling=scaling, **attention_kwargs)[0]
-        else:
-            new = _open_tokens_attention(o, res, tokens, stale, v, mask, keys, state, query, key, inv_tau,
-                                         lambda *a: attention_fn(module, *a, dropout=0.0, scaling=scaling,
-                                                                 **attention_kwargs)[0])
-        return o + torch.tanh(new - o) if step_norm == "tanh" else new
+    def attend_rows(q, k, v, mask):  # the loop's attention: no dropout, outputs only
+        return attention_fn(module, q, k, v, mask, dropout=0.0, scaling=scaling, **attention_kwargs)[0]
 
     if halting == "learned":
         if halting_gate is None:
@@ -475,6 +462,7 @@ def fpsa_attention(
         if sparse:
             keys = torch.empty((B, value.shape[1], T, value.shape[-1]), dtype=value.dtype, device=value.device)
             stale = torch.ones(B, T, dtype=torch.bool, device=x.device)
+            sparse_f = _open_tokens_map(state, query, key, inv_tau, attend_rows, step_norm)
             o, solve_stats = fixed_point(sparse_f, o1, args=(residual, value, attention_mask, keys, stale),
                                          batch_dims=3 if halt_unit == "head" else 2, compact=True, pass_active=True,
                                          **kw)
@@ -493,18 +481,44 @@ def fpsa_attention(
         final_state = x if max_iter == 1 else state(o, residual)
     penalty = rho = None
     if jac_penalty and max_iter > 1 and torch.is_grad_enabled():
-        check_choice(jac_norm, "fpsa_jac_norm", JAC_NORMS)
-        args = (residual, value, attention_mask, *extra)
-        # The penalty's gradient is a double backward: SDPA's fused CPU/GPU kernels have none, its math one has.
-        with sdpa_kernel(SDPBackend.MATH):
-            if jac_norm == "frobenius":
-                penalty = jacobian_frobenius(lambda z: f(z, *args), o.detach(), batch_dims=0,
-                                             create_graph=True) / o.numel()
-            else:
-                rhos = spectral_radius(lambda z: f(z, *args), o.detach(), n_iter=JAC_POWER_ITERS, create_graph=True)
-                penalty, rho = torch.relu(rhos - jac_target).square().mean(), rhos.detach().mean()
+        penalty, rho = _jacobian_penalty(f, o, (residual, value, attention_mask, *extra), jac_norm, jac_target)
     return FPSAResult(output=o.flatten(2), attn_weights=weights, iterations=iterations, converged=converged,
                       max_iter=max_iter, stats=solve_stats, state=final_state, jac_penalty=penalty, jac_rho=rho)
+
+
+def _jacobian_penalty(f, o, args, jac_norm, jac_target):
+    """The differentiable Jacobian penalty of ``f(., *args)`` at the fixed point ``o`` and, for ``spectral``, the
+    mean spectral radius (see ``fpsa_attention``'s ``jac_penalty``): ``(penalty, rho or None)``."""
+    check_choice(jac_norm, "fpsa_jac_norm", JAC_NORMS)
+    # The penalty's gradient is a double backward: SDPA's fused CPU/GPU kernels have none, its math one has.
+    with sdpa_kernel(SDPBackend.MATH):
+        if jac_norm == "frobenius":
+            fro = jacobian_frobenius(lambda z: f(z, *args), o.detach(), batch_dims=0, create_graph=True)
+            return fro / o.numel(), None
+        rhos = spectral_radius(lambda z: f(z, *args), o.detach(), n_iter=JAC_POWER_ITERS, create_graph=True)
+    return torch.relu(rhos - jac_target).square().mean(), rhos.detach().mean()
+
+
+def _open_tokens_map(state, query, key, inv_tau, attend, step_norm):
+    """The FPSA map of an encoder layer for a solve that passes the open entries (``active``): with every token open
+    (or ``active=None``: the backward's own evaluations) it recomputes every token and, without gradients, caches
+    the keys in ``keys``; otherwise only tokens with an open entry are recomputed (``_open_tokens_attention``)."""
+
+    def sparse_f(o, res, v, mask, keys, stale, active=None):
+        tokens = None if active is None else (active if active.dim() == 2 else active.any(-1))
+        if tokens is None or bool(tokens.all()):
+            z = state(o, res)
+            k = key(z)
+            if not torch.is_grad_enabled():  # the solve's own evaluations; a backward's keep their graph
+                k = keys.copy_(k)
+                stale.fill_(True)
+            q = query(z) if inv_tau is None else query(z) * inv_tau
+            new = attend(q, k, v, mask)
+        else:
+            new = _open_tokens_attention(o, res, tokens, stale, v, mask, keys, state, query, key, inv_tau, attend)
+        return o + torch.tanh(new - o) if step_norm == "tanh" else new
+
+    return sparse_f
 
 
 def _open_tokens_attention(o, res, tokens, stale, value, mask, keys, state, query, key, inv_tau, attend):
