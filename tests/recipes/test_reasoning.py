@@ -41,7 +41,10 @@ def test_every_model_trains_evaluates_and_exports(model, tmp_path, capsys):
     final = json.loads((out / "metrics.json").read_text())["final"]
     for length in (4, 8):
         r = final[f'{{"length": {length}, "num_samples": 8}}']
-        assert 0 <= r["exact_accuracy"] <= 1 and 0 <= r["cell_accuracy"] <= 1 and r["iterations_mean"] >= 1
+        assert 0 <= r["exact_accuracy"] <= 1 and 0 <= r["cell_accuracy_pooled"] <= 1 and r["iterations_mean"] >= 1
+        # every A5 row is scored on all `length` positions: the per-puzzle mean equals the pooled accuracy
+        assert r["cell_accuracy_per_puzzle"] == pytest.approx(r["cell_accuracy_pooled"])
+        assert "cell_accuracy" not in r
         (row,) = r["iterations_vs_difficulty"]
         assert row["difficulty"] == length and row["count"] == 8 and row["accuracy"] == r["exact_accuracy"]
         assert row["mean_iterations"] == r["iterations_mean"]
