@@ -49,6 +49,7 @@ from hf_fixedpoint.core.fp_registry import check_choice
 from hf_fixedpoint.modeling import FPRMConfig, FPRMForPuzzles, TRMConfig, TRMForPuzzles, URMConfig, URMForPuzzles
 from hf_fixedpoint.optim import AdamATan2, ema_model
 from hf_fixedpoint.puzzles import build_dataset
+from hf_fixedpoint.puzzles.common import check_identifiers
 from hf_fixedpoint.puzzles.evaluation import (
     arc_pass_at_k,
     cell_accuracy,
@@ -143,11 +144,17 @@ def build_model(args, meta):
         config = config_class.from_pretrained(args.init_from)
         config = config_class(**{**config.to_dict(), **overrides}) if overrides else config
         model = model_class.from_pretrained(args.init_from, config=config)
-        for name in ("num_puzzle_identifiers", "vocab_size"):
-            have, want = getattr(model.config, name), getattr(meta, name)
-            if have != want:
-                raise ValueError(f"the dataset has {name}={want} but the checkpoint {args.init_from} was trained with "
-                                 f"{name}={have}; build the data with the checkpoint's puzzle ids or train anew.")
+        if model.config.vocab_size != meta.vocab_size:
+            raise ValueError(f"the dataset has vocab_size={meta.vocab_size} but the checkpoint {args.init_from} was "
+                             f"trained with vocab_size={model.config.vocab_size}; build the data of the checkpoint's "
+                             "task or train anew.")
+        trained_on = getattr(model.config, "puzzle_metadata", None) or {}
+        trained_on = {**trained_on, "num_puzzle_identifiers": model.config.num_puzzle_identifiers}
+        check_identifiers(trained_on, meta, f"the checkpoint {args.init_from}", "the training data")
+        if meta.identifiers_sha256 is not None and trained_on.get("identifiers_sha256") is None:
+            warnings.warn(f"the checkpoint {args.init_from} does not record what its puzzle ids mean "
+                          "(identifiers_sha256); check that the data uses the same task_ids, max_tasks, num_aug and "
+                          "seed.", stacklevel=2)
         return model
     if meta.task == "a5":
         defaults = {**defaults, **A5_DEFAULTS, **(A5_FPRM_DEFAULTS if args.model == "fprm" else {})}
@@ -261,6 +268,9 @@ def build_data(args):
     test_sets = []
     for kw in test_kwargs if isinstance(test_kwargs, list) else [test_kwargs]:
         ds, test_meta = build_dataset(args.task, "test", seed=args.seed, **kw)
+        if test_meta.identifiers_sha256 is not None:  # ARC: the test rows must use the training split's puzzle ids
+            check_identifiers(meta, test_meta, "the training split (--task_kwargs)",
+                              f"the test set {json.dumps(kw)} (--test_task_kwargs)")
         test_sets.append((json.dumps(kw, sort_keys=True), ds, test_meta))
     return train_ds, meta, test_sets
 
