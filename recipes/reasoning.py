@@ -13,7 +13,9 @@ What it does, top to bottom:
    supervision step for every slot; a slot takes a new puzzle when it halts), AdamATan2 on the parameters, sign-SGD
    on the touched rows of the sparse puzzle-embedding table, linear warmup then a constant learning rate, and an EMA
    of the parameters used for evaluation and export;
-4. periodic evaluation (``hf_fixedpoint.puzzles.evaluation``): exact (whole-sequence) and per-cell accuracy,
+4. periodic evaluation (``hf_fixedpoint.puzzles.evaluation``): exact (whole-sequence) accuracy and per-cell accuracy
+   both pooled over all scored cells (``cell_accuracy_pooled``) and as the mean of each puzzle's fraction
+   (``cell_accuracy_per_puzzle``, the research code's ``accuracy``); rows with no scored label are left out;
    iterations used versus difficulty (A5 length, Sudoku backtracks) and, for ARC, pass@1/2 after voting over the
    augmented copies (ties broken by ``sigmoid(q_halt)``). FPRM is evaluated with one full solve per puzzle
    (adaptive iterations); TRM and URM run ``halt_max_steps`` supervision steps, and their iterations are counted
@@ -35,6 +37,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
@@ -46,6 +49,7 @@ from hf_fixedpoint.core.fp_registry import check_choice
 from hf_fixedpoint.modeling import FPRMConfig, FPRMForPuzzles, TRMConfig, TRMForPuzzles, URMConfig, URMForPuzzles
 from hf_fixedpoint.optim import AdamATan2, ema_model
 from hf_fixedpoint.puzzles import build_dataset
+from hf_fixedpoint.puzzles.common import check_identifiers
 from hf_fixedpoint.puzzles.evaluation import (
     arc_pass_at_k,
     cell_accuracy,
@@ -53,6 +57,7 @@ from hf_fixedpoint.puzzles.evaluation import (
     format_table,
     iterations_vs_difficulty,
     plot_iterations_vs_difficulty,
+    scored_rows,
     sequence_correct,
 )
 
@@ -139,11 +144,17 @@ def build_model(args, meta):
         config = config_class.from_pretrained(args.init_from)
         config = config_class(**{**config.to_dict(), **overrides}) if overrides else config
         model = model_class.from_pretrained(args.init_from, config=config)
-        for name in ("num_puzzle_identifiers", "vocab_size"):
-            have, want = getattr(model.config, name), getattr(meta, name)
-            if have != want:
-                raise ValueError(f"the dataset has {name}={want} but the checkpoint {args.init_from} was trained with "
-                                 f"{name}={have}; build the data with the checkpoint's puzzle ids or train anew.")
+        if model.config.vocab_size != meta.vocab_size:
+            raise ValueError(f"the dataset has vocab_size={meta.vocab_size} but the checkpoint {args.init_from} was "
+                             f"trained with vocab_size={model.config.vocab_size}; build the data of the checkpoint's "
+                             "task or train anew.")
+        trained_on = getattr(model.config, "puzzle_metadata", None) or {}
+        trained_on = {**trained_on, "num_puzzle_identifiers": model.config.num_puzzle_identifiers}
+        check_identifiers(trained_on, meta, f"the checkpoint {args.init_from}", "the training data")
+        if meta.identifiers_sha256 is not None and trained_on.get("identifiers_sha256") is None:
+            warnings.warn(f"the checkpoint {args.init_from} does not record what its puzzle ids mean "
+                          "(identifiers_sha256); check that the data uses the same task_ids, max_tasks, num_aug and "
+                          "seed.", stacklevel=2)
         return model
     if meta.task == "a5":
         defaults = {**defaults, **A5_DEFAULTS, **(A5_FPRM_DEFAULTS if args.model == "fprm" else {})}
@@ -218,11 +229,16 @@ def evaluate(model, ds, meta, args, device):
         scores.append(torch.sigmoid(out.q_halt_logits).cpu())
         iters.append(used.cpu())
     preds, labels, scores, iters = (torch.cat(t) for t in (preds, labels, scores, iters))
+    scored = scored_rows(labels)  # rows with no scored label are left out of every metric, as in the research code
     correct = sequence_correct(preds, labels)
-    result = {"exact_accuracy": exact_accuracy(preds, labels), "cell_accuracy": cell_accuracy(preds, labels),
+    result = {"exact_accuracy": exact_accuracy(preds, labels),
+              "cell_accuracy_pooled": cell_accuracy(preds, labels, average="pooled"),
+              "cell_accuracy_per_puzzle": cell_accuracy(preds, labels, average="per_puzzle"),
               "iterations_mean": iters.float().mean().item(), "num_puzzles": len(preds)}
     if meta.difficulty and meta.difficulty in ds.column_names:
-        result["iterations_vs_difficulty"] = iterations_vs_difficulty(iters, ds[meta.difficulty], correct)
+        difficulty = np.asarray(ds[meta.difficulty])
+        result["iterations_vs_difficulty"] = iterations_vs_difficulty(iters.numpy()[scored], difficulty[scored],
+                                                                      correct[scored])
     if args.task.startswith("arc"):
         result.update(arc_pass_at_k(ds, preds, scores, ks=(1, 2)))
     model.train()
@@ -252,6 +268,9 @@ def build_data(args):
     test_sets = []
     for kw in test_kwargs if isinstance(test_kwargs, list) else [test_kwargs]:
         ds, test_meta = build_dataset(args.task, "test", seed=args.seed, **kw)
+        if test_meta.identifiers_sha256 is not None:  # ARC: the test rows must use the training split's puzzle ids
+            check_identifiers(meta, test_meta, "the training split (--task_kwargs)",
+                              f"the test set {json.dumps(kw)} (--test_task_kwargs)")
         test_sets.append((json.dumps(kw, sort_keys=True), ds, test_meta))
     return train_ds, meta, test_sets
 
@@ -297,8 +316,9 @@ def main(argv=None):
         progress["history"].append({"step": step, **results})
         for name, r in results.items():
             arc = "".join(f" {k} {r[k]:.3f}" for k in ("pass@1", "pass@2") if k in r)
-            accelerator.print(f"eval step {step} {name}: exact {r['exact_accuracy']:.3f} cell "
-                              f"{r['cell_accuracy']:.3f} iterations {r['iterations_mean']:.1f}{arc}")
+            accelerator.print(f"eval step {step} {name}: exact {r['exact_accuracy']:.3f} cell (pooled) "
+                              f"{r['cell_accuracy_pooled']:.3f} cell (per-puzzle mean) "
+                              f"{r['cell_accuracy_per_puzzle']:.3f} iterations {r['iterations_mean']:.1f}{arc}")
             if "iterations_vs_difficulty" in r:
                 accelerator.print(format_table(r["iterations_vs_difficulty"]))
 

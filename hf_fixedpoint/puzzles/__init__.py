@@ -26,6 +26,7 @@ from .evaluation import (
     format_table,
     iterations_vs_difficulty,
     plot_iterations_vs_difficulty,
+    scored_rows,
     sequence_correct,
 )
 from .research_format import export_research_format, load_research_format
@@ -49,5 +50,6 @@ __all__ = [
     "load_saved",
     "plot_iterations_vs_difficulty",
     "save_split",
+    "scored_rows",
     "sequence_correct",
 ]

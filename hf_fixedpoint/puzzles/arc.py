@@ -7,7 +7,10 @@ on PyPI, so ARC-1 training has 800 instead of 960 tasks.
 Splits (research-code rule): every demonstration pair goes to ``train``; the test pairs of training tasks go to
 ``train`` too; the test pairs of evaluation tasks form ``test``. Each (task, augmentation) is one puzzle id
 (id 0 = blank), numbered identically in both splits, so the test rows of an evaluation task use the embedding
-learned from its demonstrations.
+learned from its demonstrations. The numbering depends on the task selection (``task_ids``, ``max_tasks``),
+``num_aug`` and ``seed``; ``PuzzleMetadata.identifiers_sha256`` fingerprints it (the names
+:func:`identifier_name` of ids 1, 2, ...), and :func:`~hf_fixedpoint.puzzles.common.check_identifiers` rejects data
+whose ids mean something else than a checkpoint's.
 
 Augmentation ``aug_id`` 0 is the identity; the others draw a dihedral transform ``t`` (0..7) and a permutation
 of colours 1..9 (0 = black stays), rejecting duplicates. ``augment_grid`` / ``invert_grid`` apply and undo one.
@@ -26,7 +29,15 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..core.fp_registry import check_number
-from .common import IGNORE_LABEL_ID, PuzzleMetadata, dihedral, inverse_dihedral, register_task, split_rng
+from .common import (
+    IGNORE_LABEL_ID,
+    PuzzleMetadata,
+    dihedral,
+    identifiers_fingerprint,
+    inverse_dihedral,
+    register_task,
+    split_rng,
+)
 
 CANVAS = 30
 PAD, EOS, COLOR_OFFSET = 0, 1, 2
@@ -122,6 +133,17 @@ def _task_augmentations(task_id: str, demos, tests, num_aug: int, seed: int):
     return augs
 
 
+def identifier_name(task_id: str, transform: int, color_perm: Sequence[int]) -> str:
+    """What one ARC puzzle id stands for: ``"<task_id>/t<transform>/<colour permutation digits>"``."""
+    return f"{task_id}/t{int(transform)}/{''.join(str(int(c)) for c in color_perm)}"
+
+
+def identifier_names(dataset) -> dict:
+    """``{puzzle id: identifier_name}`` of the ids used by the rows of an ARC split (the mapping the data holds)."""
+    return {int(i): identifier_name(task_id, t, perm) for i, task_id, t, perm in zip(
+        dataset["puzzle_identifiers"], dataset["task_id"], dataset["transform"], dataset["color_perm"])}
+
+
 def _build_arc(task: str, split: str, seed: int, num_aug: int, max_tasks: Optional[int],
                task_ids: Optional[Sequence[str]], translate: Optional[bool]):
     check_number(num_aug, "num_aug", low=0, integer=True)
@@ -140,12 +162,13 @@ def _build_arc(task: str, split: str, seed: int, num_aug: int, max_tasks: Option
     rng = split_rng(task, split, seed)
     rows = {k: [] for k in ("inputs", "labels", "puzzle_identifiers", "task_id", "group", "aug_id", "transform",
                             "color_perm", "example", "is_test")}
-    next_id = 1
+    next_id, names = 1, []
     for subset, tasks in (("training", training), ("evaluation", evaluation)):
         for group, (task_id, demos, tests) in enumerate(tasks):
             augs = _task_augmentations(task_id, demos, tests, num_aug, seed)
             ids = range(next_id, next_id + len(augs))
             next_id += len(augs)
+            names += [identifier_name(task_id, t, perm) for t, perm in augs]
             pairs = [(k, False, p) for k, p in enumerate(demos)] if split == "train" else []
             if (split == "train") == (subset == "training"):
                 pairs += [(k, True, p) for k, p in enumerate(tests)]
@@ -177,7 +200,8 @@ def _build_arc(task: str, split: str, seed: int, num_aug: int, max_tasks: Option
     columns["labels"] = columns["labels"].astype(np.int32)
     meta = PuzzleMetadata(task=task, vocab_size=12, seq_len=CANVAS * CANVAS, num_puzzle_identifiers=next_id,
                           grid_shape=(CANVAS, CANVAS), num_groups=len(set(rows["group"])),
-                          token_names=("<pad>", "<eos>", *"0123456789"))
+                          token_names=("<pad>", "<eos>", *"0123456789"),
+                          identifiers_sha256=identifiers_fingerprint(names))
     return columns, meta
 
 

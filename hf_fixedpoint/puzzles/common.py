@@ -28,7 +28,7 @@ TASKS = Registry("puzzle task")
 """``name -> builder``; a builder is ``fn(split, *, seed, **task_kwargs) -> (columns, PuzzleMetadata)``."""
 
 # Version of the generators' output. Bump it when a generator changes so old caches are not reused.
-DATA_VERSION = 1
+DATA_VERSION = 2  # 2: ARC metadata holds identifiers_sha256
 
 
 @dataclass
@@ -40,6 +40,9 @@ class PuzzleMetadata:
     ``grid_shape`` is ``(rows, cols)`` when ``seq_len`` is a row-major grid (2-D convolution variants), else None.
     ``num_groups`` counts original puzzles (augmented copies share a group). ``difficulty`` names the column that
     measures difficulty (used by :func:`hf_fixedpoint.puzzles.evaluation.iterations_vs_difficulty`).
+    ``identifiers_sha256``: fingerprint of what each puzzle id means (ARC: task and augmentation per id, see
+    :func:`identifiers_fingerprint`); None where every row uses the blank id. A model config stores it with the
+    rest of the metadata, and :func:`check_identifiers` compares it with new data.
     """
 
     task: str
@@ -56,6 +59,7 @@ class PuzzleMetadata:
     difficulty: Optional[str] = None
     token_names: Optional[Tuple[str, ...]] = None
     build_kwargs: dict = field(default_factory=dict)
+    identifiers_sha256: Optional[str] = None
 
     def __post_init__(self):
         if self.grid_shape is not None:
@@ -78,6 +82,30 @@ class PuzzleMetadata:
         if unknown:
             raise ValueError(f"PuzzleMetadata.from_dict got unknown keys {unknown}. Allowed keys: {sorted(names)}.")
         return cls(**d)
+
+
+def identifiers_fingerprint(names) -> str:
+    """sha256 (hex) of the names of puzzle ids 1, 2, ... in order (id 0 is the blank id)."""
+    return hashlib.sha256(json.dumps(list(names)).encode()).hexdigest()
+
+
+def check_identifiers(expected, actual, expected_name: str = "the checkpoint",
+                      actual_name: str = "the dataset") -> None:
+    """Raise a ValueError when two :class:`PuzzleMetadata` (or their ``to_dict()``) give puzzle ids other meanings.
+
+    Compares ``num_puzzle_identifiers`` and ``identifiers_sha256``; a side without a fingerprint (data built
+    before it existed, or a task without puzzle ids) is compared by the number of ids only.
+    """
+    get = (lambda m, k: m.get(k)) if isinstance(expected, dict) else getattr
+    get_b = (lambda m, k: m.get(k)) if isinstance(actual, dict) else getattr
+    n_a, n_b = get(expected, "num_puzzle_identifiers"), get_b(actual, "num_puzzle_identifiers")
+    h_a, h_b = get(expected, "identifiers_sha256"), get_b(actual, "identifiers_sha256")
+    if n_a != n_b or (h_a is not None and h_b is not None and h_a != h_b):
+        raise ValueError(
+            f"{actual_name} numbers its puzzles differently from {expected_name}: num_puzzle_identifiers {n_b} vs "
+            f"{n_a}, identifiers_sha256 {h_b} vs {h_a}. Puzzle ids depend on the task selection (task_ids, "
+            f"max_tasks), num_aug and seed; build {actual_name} with the options of {expected_name} "
+            f"({get(expected, 'build_kwargs')}).")
 
 
 def register_task(name: str):

@@ -30,20 +30,51 @@ def _pairs(predictions, labels, ignore_label_id):
 
 
 def sequence_correct(predictions, labels, ignore_label_id: int = IGNORE_LABEL_ID) -> np.ndarray:
-    """Boolean ``[N]``: every scored position of the row is right (the research code's ``exact_accuracy``)."""
+    """Boolean ``[N]``: every scored position of the row is right (vacuously True for a row with none scored:
+    combine with :func:`scored_rows`, as :func:`exact_accuracy` does)."""
     predictions, labels, mask = _pairs(predictions, labels, ignore_label_id)
     return ((predictions == labels) | ~mask).all(axis=-1)
 
 
+def scored_rows(labels, ignore_label_id: int = IGNORE_LABEL_ID) -> np.ndarray:
+    """Boolean ``[N]``: the row has at least one scored label (the research code's ``loss_counts > 0``)."""
+    return (_np(labels) != ignore_label_id).any(axis=-1)
+
+
 def exact_accuracy(predictions, labels, ignore_label_id: int = IGNORE_LABEL_ID) -> float:
-    """Fraction of rows solved exactly."""
-    return float(sequence_correct(predictions, labels, ignore_label_id).mean())
+    """Fraction of rows solved exactly, among the rows with at least one scored label.
+
+    Rows whose labels are all ``ignore_label_id`` are left out (not counted as solved), as in the research code's
+    ``ACTLossHead`` (``valid_metrics = halted & (loss_counts > 0)``). NaN when no row is scored.
+    """
+    correct = sequence_correct(predictions, labels, ignore_label_id)
+    scored = scored_rows(labels, ignore_label_id)
+    return float(correct[scored].mean()) if scored.any() else float("nan")
 
 
-def cell_accuracy(predictions, labels, ignore_label_id: int = IGNORE_LABEL_ID) -> float:
-    """Fraction of scored positions predicted right, pooled over all rows."""
+CELL_AVERAGES = ("pooled", "per_puzzle")
+
+
+def cell_accuracy(predictions, labels, ignore_label_id: int = IGNORE_LABEL_ID, average: str = "pooled") -> float:
+    """Fraction of scored positions predicted right.
+
+    ``average="pooled"``: over all scored positions of all rows together (rows with more scored positions weigh
+    more). ``average="per_puzzle"``: each row's fraction, then the mean over the rows with at least one scored
+    position; this is the ``accuracy`` the TRM/HRM/URM research code logs (``ACTLossHead``). The two differ
+    when rows have different numbers of scored positions (ARC grids, padded A5 words); for Sudoku and Maze,
+    where every row is scored on every position, they are equal. NaN when no position is scored.
+    """
+    if average not in CELL_AVERAGES:
+        raise ValueError(f"average={average!r} is not allowed. Allowed values: {', '.join(map(repr, CELL_AVERAGES))}.")
     predictions, labels, mask = _pairs(predictions, labels, ignore_label_id)
-    return float((predictions == labels)[mask].mean()) if mask.any() else float("nan")
+    if not mask.any():
+        return float("nan")
+    right = (predictions == labels) & mask
+    if average == "pooled":
+        return float(right.sum() / mask.sum())
+    counts, hits = mask.sum(axis=-1), right.sum(axis=-1)
+    scored = counts > 0
+    return float((hits[scored] / counts[scored]).mean())
 
 
 def _key(grid: np.ndarray):

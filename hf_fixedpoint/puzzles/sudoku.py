@@ -256,31 +256,51 @@ def _parse_grids(path, strings, alphabet: str, column: str) -> np.ndarray:
 
 
 @register_task("sudoku")
-def build_sudoku(split: str, *, seed: int = 0, num_puzzles: int = 1000, min_difficulty: int = 0,
+def build_sudoku(split: str, *, seed: int = 0, num_puzzles: Optional[int] = None, min_difficulty: int = 0,
                  num_aug: int = 0, csv_path: Optional[str] = None, subsample: Optional[int] = None,
                  num_proc: int = 1):
     """Generated (default) or CSV-loaded Sudoku.
 
-    Generated: ``num_puzzles`` minimal unique puzzles with difficulty >= ``min_difficulty`` (train and test come
-    from independent random streams; puzzle ``k`` depends only on the seed and ``k``, so ``num_proc`` worker
-    processes give the same data and a larger ``num_puzzles`` extends a smaller one).
-    ``csv_path``: read the official ``train.csv``/``test.csv`` instead; ``subsample`` keeps that many random rows
-    (seeded; the research code's ``--subsample-size``). ``num_aug``: add that many
+    Generated: ``num_puzzles`` (default 1000) minimal unique puzzles with difficulty >= ``min_difficulty`` (train
+    and test come from independent random streams; puzzle ``k`` depends only on the seed and ``k``, so ``num_proc``
+    worker processes give the same data and a larger ``num_puzzles`` extends a smaller one).
+    ``csv_path``: read the official ``train.csv``/``test.csv`` instead, keeping the rows with ``rating >=
+    min_difficulty`` (the research code's ``--min-difficulty``; a file without a ``rating`` column only allows
+    ``min_difficulty=0``); ``subsample`` then keeps that many random rows of those (seeded; the research code's
+    ``--subsample-size``). ``num_puzzles`` is for generated data only: with ``csv_path`` it is an error (use
+    ``subsample``), as is ``subsample`` without ``csv_path``. ``num_aug``: add that many
     random symmetry copies of each puzzle (same ``group``, ``aug_id`` 1..num_aug).
     Columns: ``difficulty`` (backtracks, or the CSV ``rating``), ``group``, ``aug_id``.
     """
     check_number(num_aug, "num_aug", low=0, integer=True)
+    check_number(min_difficulty, "min_difficulty", low=0, integer=True)
+    check_number(num_proc, "num_proc", low=1, integer=True)
     rng = split_rng("sudoku", split, seed)
     if csv_path is not None:
+        if num_puzzles is not None:
+            raise ValueError(f"num_puzzles={num_puzzles!r} only applies to generated Sudoku; with csv_path use "
+                             "subsample=N for N random rows (the research code's --subsample-size), or leave "
+                             "num_puzzles out for every row.")
         puzzles, solutions, difficulty = load_sudoku_csv(csv_path)
+        if min_difficulty > 0:
+            if (difficulty < 0).all():
+                raise ValueError(f"min_difficulty={min_difficulty} needs a `rating` column, and {csv_path} has "
+                                 "none; drop min_difficulty (or use 0) for this file.")
+            keep = np.flatnonzero(difficulty >= min_difficulty)
+            if not len(keep):
+                raise ValueError(f"min_difficulty={min_difficulty} keeps no row of {csv_path} (highest rating "
+                                 f"{int(difficulty.max())}); lower min_difficulty.")
+            puzzles, solutions, difficulty = puzzles[keep], solutions[keep], difficulty[keep]
         if subsample is not None:
             check_number(subsample, "subsample", low=1, high=len(puzzles), integer=True)
             keep = np.sort(rng.choice(len(puzzles), size=subsample, replace=False))
             puzzles, solutions, difficulty = puzzles[keep], solutions[keep], difficulty[keep]
     else:
+        if subsample is not None:
+            raise ValueError(f"subsample={subsample!r} only applies to csv_path data; for generated Sudoku set "
+                             "num_puzzles.")
+        num_puzzles = 1000 if num_puzzles is None else num_puzzles
         check_number(num_puzzles, "num_puzzles", low=1, integer=True)
-        check_number(min_difficulty, "min_difficulty", low=0, integer=True)
-        check_number(num_proc, "num_proc", low=1, integer=True)
         jobs = [(int(s), min_difficulty) for s in rng.integers(2**63, size=num_puzzles)]
         if num_proc > 1:
             with multiprocessing.Pool(num_proc) as pool:

@@ -152,3 +152,29 @@ def test_voting_ties_broken_by_score():
         arc_pass_at_k(rows, preds, per_task="some")
     with pytest.raises(ValueError, match="12 rows"):
         arc_vote(rows, preds[:5])
+
+
+def test_identifier_fingerprint_names_the_ids_and_catches_renumbering(arc1_small):
+    from hf_fixedpoint.puzzles.arc import identifier_name, identifier_names
+    from hf_fixedpoint.puzzles.common import check_identifiers, identifiers_fingerprint
+
+    (train, meta), (test, tmeta), _ = arc1_small
+    names = identifier_names(train)  # every id appears in train (demonstrations of every task)
+    assert sorted(names) == list(range(1, meta.num_puzzle_identifiers))
+    assert names[1] == identifier_name(train["task_id"][0], 0, range(10))  # id 1: first task, identity
+    assert meta.identifiers_sha256 == tmeta.identifiers_sha256 == identifiers_fingerprint(
+        [names[i] for i in sorted(names)])
+    assert all(names[i] == n for i, n in identifier_names(test).items())
+    check_identifiers(meta, tmeta)  # same options: the splits agree
+    # Same number of ids, other meaning: the next 3 tasks instead of the first 3 (old code: silently accepted).
+    tasks = load_arc_tasks("arc1")
+    other_ids = [t[0] for t in tasks[0][3:6] + tasks[1][3:6]]
+    other_train, other = build_dataset("arc1", "train", task_ids=other_ids, num_aug=3, seed=5)
+    assert other.num_puzzle_identifiers == meta.num_puzzle_identifiers
+    assert other.identifiers_sha256 != meta.identifiers_sha256
+    with pytest.raises(ValueError, match="the dataset numbers its puzzles differently from the checkpoint"):
+        check_identifiers(meta, other)
+    # Another seed draws other augmentations for the same ids; the dict form (a model config's) is checked too.
+    _, reseeded = build_dataset("arc1", "train", max_tasks=3, num_aug=3, seed=6)
+    with pytest.raises(ValueError, match="identifiers_sha256"):
+        check_identifiers(meta.to_dict(), reseeded)

@@ -10,6 +10,7 @@ from hf_fixedpoint.puzzles import (
     format_table,
     iterations_vs_difficulty,
     plot_iterations_vs_difficulty,
+    scored_rows,
     sequence_correct,
 )
 
@@ -25,6 +26,23 @@ def test_accuracies_ignore_unscored_positions():
     assert exact_accuracy(PREDS, np.where(LABELS == -100, 0, LABELS), ignore_label_id=0) == pytest.approx(1 / 3)
     with pytest.raises(ValueError, match="shape"):
         exact_accuracy(PREDS[:, :3], LABELS)
+
+
+def test_rows_without_scored_labels_are_not_solved_and_cell_accuracy_has_two_averages():
+    labels = np.array([[1, 2, 3, -100], [-100, -100, -100, -100], [4, 5, -100, -100]])
+    preds = np.array([[1, 2, 3, 0], [0, 0, 0, 0], [4, 6, 0, 0]])
+    assert list(scored_rows(labels)) == [True, False, True]
+    assert list(sequence_correct(preds, labels)) == [True, True, False]  # vacuous for the unscored row
+    assert exact_accuracy(preds, labels) == 0.5  # 1 of the 2 scored rows; the research code's valid_metrics
+    assert np.isnan(exact_accuracy(preds[1:2], labels[1:2]))
+    # pooled: 4 right of 5 scored cells; per puzzle (the research code's `accuracy`): mean(3/3, 1/2) over scored rows
+    assert cell_accuracy(preds, labels) == 0.8 and cell_accuracy(preds, labels, average="pooled") == 0.8
+    assert cell_accuracy(preds, labels, average="per_puzzle") == 0.75
+    assert cell_accuracy(torch.tensor(PREDS), torch.tensor(LABELS), average="per_puzzle") == pytest.approx(
+        (1 + 1 / 2 + 2 / 4) / 3)
+    assert np.isnan(cell_accuracy(preds[1:2], labels[1:2], average="per_puzzle"))
+    with pytest.raises(ValueError, match="average='mean' is not allowed. Allowed values: 'pooled', 'per_puzzle'"):
+        cell_accuracy(preds, labels, average="mean")
 
 
 def test_iterations_table_per_value_and_binned():

