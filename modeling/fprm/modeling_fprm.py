@@ -37,6 +37,7 @@ from .fp_reasoning import (
     rms_norm,
     trunc_normal_,
 )
+from .fp_registry import check_number  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_settings import fixed_point_kwargs
 from .fp_solvers import SOLVERS, _residual
 from .fp_stats import FixedPointStats

@@ -45,6 +45,7 @@ from transformers.models.bert.modeling_bert import (
 from transformers.utils import can_return_tuple
 
 from .configuration_fpsa_bert import FPSABertConfig
+from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_fpsa import (
     FPSAHaltingGate,
     FPSAHeadMixin,
@@ -53,7 +54,12 @@ from .fp_fpsa import (
     fpsa_attention,
     init_fpsa_weights,
 )
+from .fp_halting import ACTAccumulator  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_jacobian import jacobian_frobenius  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_registry import check_number  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_settings import fixed_point_kwargs
+from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_problems)
 
 
 class FPSABertSelfAttention(BertSelfAttention):

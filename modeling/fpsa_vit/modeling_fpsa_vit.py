@@ -25,6 +25,7 @@ from transformers.models.vit.modeling_vit import (
 from transformers.utils import can_return_tuple
 
 from .configuration_fpsa_vit import FPSAViTConfig
+from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_fpsa import (
     FPSAHaltingGate,
     FPSAHeadMixin,
@@ -33,7 +34,12 @@ from .fp_fpsa import (
     fpsa_attention,
     init_fpsa_weights,
 )
+from .fp_halting import ACTAccumulator  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_jacobian import jacobian_frobenius  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_registry import check_number  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_settings import fixed_point_kwargs
+from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_problems)
 
 # Old (transformers 4) ViT checkpoints: the renaming transformers applies to ViTModel, for our class name too.
 register_checkpoint_conversion_mapping("FPSAViTModel", get_checkpoint_conversion_mapping("ViTModel"), overwrite=True)
