@@ -43,7 +43,8 @@ def test_output_classes_declare_the_cache_through_cache_field():
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.ClassDef):
                 continue
-            fields = {s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+            fields = {s.target.id for s in node.body
+                      if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
             decorators = {d.id for d in node.decorator_list if isinstance(d, ast.Name)}
             if "past_key_values" in fields:
                 assert "cache_field" in decorators, f"{path.name}: {node.name} declares past_key_values"
@@ -145,3 +146,17 @@ def test_ci_runs_the_readme_test_command():
     assert "make test" in (ROOT / ".ci" / "run").read_text()
     makefile = (ROOT / "Makefile").read_text()
     assert "torch==2.13.0" in makefile and "\ntest:" in makefile and "\ndemo:" in makefile
+
+
+def test_core_dependencies_have_lower_bounds_and_no_caps():
+    """``pip install hf-fixedpoint`` must not downgrade what users have; constraints.txt keeps the exact test pins."""
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    specs = meta["dependencies"] + [s for extra in meta["optional-dependencies"].values() for s in extra]
+    pins = dict(line.split("==") for line in (ROOT / "constraints.txt").read_text().splitlines()
+                if "==" in line and not line.startswith("#"))
+    for name in ("torch", "transformers", "accelerate", "peft", "datasets"):
+        found = [s for s in specs if s.split(">")[0].split("<")[0].split("=")[0].strip() == name]
+        assert found, name
+        for spec in found:
+            assert "<" not in spec and ">=" in spec, spec
+            assert pins[name].startswith(spec.split(">=")[1]), (spec, pins[name])  # the bound is the tested release

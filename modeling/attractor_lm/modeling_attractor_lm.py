@@ -17,11 +17,9 @@ from typing import Optional
 import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
-from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import ModelOutput
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
@@ -31,7 +29,7 @@ from transformers.utils import can_return_tuple
 
 from .configuration_attractor_lm import AttractorConfig
 from .fp_backward import fixed_point
-from .fp_compat import CACHE_NAME, cache_field, create_causal_mask, pop_cache
+from .fp_compat import CACHE_NAME, attention_function, cache_field, create_causal_mask, init, pop_cache
 from .fp_registry import check_number
 from .fp_settings import fixed_point_kwargs
 from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
@@ -108,7 +106,7 @@ class AttractorAttention(nn.Module):
             k, v = past_key_values.update(k, v, self.layer_idx)
         elif past_kv is not None:
             k, v = torch.cat([past_kv[0], k], dim=-2), torch.cat([past_kv[1], v], dim=-2)
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        attention = attention_function(self.config._attn_implementation, eager_attention_forward)
         out, attn_weights = attention(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling)
         if weights is not None:
             weights.append(attn_weights)

@@ -12,9 +12,7 @@ from typing import Optional
 import torch
 from torch import nn
 from transformers import ViTForImageClassification, ViTModel, ViTPreTrainedModel
-from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
 from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClassifierOutput
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.vit.modeling_vit import (
     ViTAttention,
     ViTEmbeddings,
@@ -26,6 +24,7 @@ from transformers.utils import can_return_tuple
 
 from .configuration_fpsa_vit import FPSAViTConfig
 from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_compat import attention_function, require_transformers
 from .fp_fpsa import (
     FPSAHaltingGate,
     FPSAHeadMixin,
@@ -40,6 +39,14 @@ from .fp_registry import check_number  # noqa: F401  (see vendor.direct_import_p
 from .fp_settings import fixed_point_kwargs
 from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_problems)
+
+try:
+    from transformers.conversion_mapping import (
+        get_checkpoint_conversion_mapping,
+        register_checkpoint_conversion_mapping,
+    )
+except ImportError:  # 4.57: no checkpoint conversion mappings
+    require_transformers("5.0", "FPSA-ViT", "transformers.conversion_mapping")
 
 # Old (transformers 4) ViT checkpoints: the renaming transformers applies to ViTModel, for our class name too.
 register_checkpoint_conversion_mapping("FPSAViTModel", get_checkpoint_conversion_mapping("ViTModel"), overwrite=True)
@@ -68,7 +75,7 @@ class FPSAViTAttention(ViTAttention):
             return t.view(*t.shape[:-1], -1, self.head_dim).transpose(1, 2)
 
         learned = config.fpsa_halting == "learned"
-        attention_fn = eager_attention_forward if learned else ALL_ATTENTION_FUNCTIONS.get_interface(
+        attention_fn = eager_attention_forward if learned else attention_function(
             config._attn_implementation, eager_attention_forward)
         result = fpsa_attention(
             self, hidden_states,

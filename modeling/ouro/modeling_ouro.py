@@ -35,10 +35,9 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import ModelOutput
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 from transformers.utils import can_return_tuple
-from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_ouro import OuroConfig
-from .fp_compat import CACHE_NAME, cache_field, create_causal_mask, pop_cache
+from .fp_compat import CACHE_NAME, cache_field, capture_outputs, create_causal_mask, pop_cache
 from .fp_registry import check_number
 
 

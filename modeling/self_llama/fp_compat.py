@@ -15,16 +15,36 @@ that imports transformers; the others import only torch and the standard library
 * ``pop_cache``: the cache a forward was given under either name.
 * ``create_causal_mask``: transformers' mask helper whatever its keyword names (``input_embeds`` / ``inputs_embeds``,
   ``past_key_values`` / ``cache``, a required ``cache_position`` up to 5.0).
+* ``capture_outputs``, ``init``: transformers' output-recording decorator and initializers, under their current or
+  earlier names.
+* ``attention_function``: ``ALL_ATTENTION_FUNCTIONS.get_interface``, which 5.0 and older lack.
 * ``require_transformers``: refuse, with the release needed, where a family uses an API an old release lacks.
 """
 
 import dataclasses
 import inspect
+from types import SimpleNamespace
 
 import torch
 import transformers
 from transformers import masking_utils
 from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+try:  # 5.5 and later
+    from transformers.utils.output_capturing import capture_outputs
+except ImportError:  # 4.57, 5.0: the same decorator under its earlier name
+    from transformers.utils.generic import check_model_inputs as capture_outputs
+
+try:  # 5.0 and later: initializers that leave weights loaded from a checkpoint alone
+    from transformers import initialization as init
+except ImportError:  # 4.57: torch's own (there, weights from a checkpoint are set after initialization)
+
+    def _copy_(tensor, other):
+        with torch.no_grad():
+            return tensor.copy_(other)
+
+    init = SimpleNamespace(constant_=torch.nn.init.constant_, copy_=_copy_)
 
 _OUTPUT_FIELDS = {f.name for f in dataclasses.fields(BaseModelOutputWithPast)}
 CACHE_NAME = "cache" if "cache" in _OUTPUT_FIELDS else "past_key_values"
@@ -72,6 +92,13 @@ def create_causal_mask(config, inputs_embeds, attention_mask, past_key_values, p
                                             **kwargs)
 
 
+def attention_function(implementation, default):
+    """The attention function registered as ``implementation`` (``default`` for eager), as ``get_interface``."""
+    if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):
+        return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, default)
+    return default if implementation in (None, "eager") else ALL_ATTENTION_FUNCTIONS[implementation]
+
+
 def require_transformers(minimum: str, family: str, missing: str) -> None:
     """Raise ``ImportError`` naming the release ``family`` needs when ``missing`` (an API) is absent.
 
@@ -81,4 +108,13 @@ def require_transformers(minimum: str, family: str, missing: str) -> None:
                       f"transformers {transformers.__version__}): pip install -U 'transformers>={minimum}'")
 
 
-__all__ = ["CACHE_NAME", "cache_field", "create_causal_mask", "pop_cache", "require_transformers"]
+__all__ = [
+    "CACHE_NAME",
+    "attention_function",
+    "cache_field",
+    "capture_outputs",
+    "create_causal_mask",
+    "init",
+    "pop_cache",
+    "require_transformers",
+]

@@ -25,7 +25,6 @@ from transformers import MistralForCausalLM, MistralModel, MistralPreTrainedMode
 from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.mistral.modeling_mistral import (
     MistralAttention,
     MistralDecoderLayer,
@@ -39,7 +38,7 @@ from transformers.utils.generic import can_return_tuple
 
 from .configuration_self_mistral import SelfMistralConfig
 from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
-from .fp_compat import CACHE_NAME, pop_cache
+from .fp_compat import CACHE_NAME, attention_function, pop_cache
 from .fp_fpsa import FPSAStats, fpsa_decoder_attention, init_fpsa_weights, with_jac_penalty
 from .fp_halting import ACTAccumulator  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_jacobian import jacobian_frobenius  # noqa: F401  (see vendor.direct_import_problems)
@@ -81,7 +80,7 @@ class SelfMistralAttention(MistralAttention):
         past_key_values = pop_cache(past_key_values, kwargs)
         if fpsa_fp_kwargs is None:
             fpsa_fp_kwargs = fixed_point_kwargs(config, self.training)
-        attention_fn = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)
+        attention_fn = attention_function(config._attn_implementation, eager_attention_forward)
         # Not attention-function arguments here: the solver drops finished rows, so per-row tensors must not ride
         # along in the keyword arguments, and the cache is handled by fpsa_decoder_attention.
         kwargs.pop("position_ids", None)
