@@ -222,6 +222,15 @@ def write(support: dict) -> None:
         README.write_text(f"{head}{TABLE_START}\n{describe(support)}\n{TABLE_END}{rest.split(TABLE_END, 1)[1]}")
 
 
+def _shown_args(argv) -> list:
+    """The command-line arguments without ``--keep DIR`` (a local detail)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--keep" in args:
+        i = args.index("--keep")
+        del args[i:i + 2]
+    return args
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--releases", nargs="+", default=TESTED + ["newest"],
@@ -243,7 +252,7 @@ def main(argv=None) -> int:
     print(f"saved {len(saved)} classes with transformers {transformers.__version__}; newest release: {newest}",
           flush=True)
     support = {"saved_with": transformers.__version__, "torch": TORCH, "date": datetime.date.today().isoformat(),
-               "command": "python tools/compat_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+               "command": " ".join(["python tools/compat_check.py", *_shown_args(argv)]),
                "releases": []}
     failed = False
     for release in sorted(releases, key=lambda r: [int(p) for p in re.findall(r"\d+", r)]):

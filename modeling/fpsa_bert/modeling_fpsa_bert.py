@@ -63,7 +63,7 @@ from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_p
 try:
     from transformers.models.bert.modeling_bert import eager_attention_forward
 except ImportError:  # 4.57: BERT's attention is not written against attention functions yet
-    require_transformers("5.0", "FPSA-BERT", "transformers.models.bert.modeling_bert.eager_attention_forward")
+    require_transformers("5.0", "FPSA-BERT", "BERT has no eager_attention_forward")
 
 
 class FPSABertSelfAttention(BertSelfAttention):

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from transformers import ViTForImageClassification, ViTModel, ViTPreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClassifierOutput
+from transformers.models.vit import modeling_vit
 from transformers.models.vit.modeling_vit import (
     ViTAttention,
     ViTEmbeddings,
@@ -46,7 +47,9 @@ try:
         register_checkpoint_conversion_mapping,
     )
 except ImportError:  # 4.57: no checkpoint conversion mappings
-    require_transformers("5.0", "FPSA-ViT", "transformers.conversion_mapping")
+    require_transformers("5.12", "FPSA-ViT", "transformers.conversion_mapping does not exist")
+if hasattr(modeling_vit, "ViTEncoder"):  # up to 5.5 at least, ViTModel kept its layers in encoder.layer
+    require_transformers("5.12", "FPSA-ViT", "ViTModel keeps its layers in encoder.layer")
 
 # Old (transformers 4) ViT checkpoints: the renaming transformers applies to ViTModel, for our class name too.
 register_checkpoint_conversion_mapping("FPSAViTModel", get_checkpoint_conversion_mapping("ViTModel"), overwrite=True)

@@ -99,13 +99,13 @@ def attention_function(implementation, default):
     return default if implementation in (None, "eager") else ALL_ATTENTION_FUNCTIONS[implementation]
 
 
-def require_transformers(minimum: str, family: str, missing: str) -> None:
-    """Raise ``ImportError`` naming the release ``family`` needs when ``missing`` (an API) is absent.
+def require_transformers(minimum: str, family: str, reason: str) -> None:
+    """Raise ``ImportError`` naming the release ``family`` needs; call it where an API it uses is detected missing.
 
-    Call it only after detecting the absence: the version number appears in the message, not in the test.
+    The version number appears in the message only, never in the test that led here.
     """
-    raise ImportError(f"{family} needs transformers>={minimum} ({missing} is missing from the installed "
-                      f"transformers {transformers.__version__}): pip install -U 'transformers>={minimum}'")
+    raise ImportError(f"{family} needs transformers>={minimum}: in the installed transformers "
+                      f"{transformers.__version__}, {reason}. Upgrade with: pip install -U 'transformers>={minimum}'")
 
 
 __all__ = [

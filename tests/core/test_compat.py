@@ -84,3 +84,28 @@ def test_create_causal_mask_matches_an_explicit_mask():
                                         position_ids=torch.arange(3)[None])
     allowed = mask[0, 0] == 0
     assert torch.equal(allowed, torch.ones(3, 3).tril().bool())
+
+
+def test_require_transformers_names_the_release():
+    with pytest.raises(ImportError, match=r"FPSA-ViT needs transformers>=5\.12: .* 'transformers>=5\.12'"):
+        fp_compat.require_transformers("5.12", "FPSA-ViT", "ViTModel keeps its layers in encoder.layer")
+
+
+def test_compat_tool_summarises_families_and_updates_the_readme_block():
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root / "tools"))
+    try:
+        import compat_check
+    finally:
+        sys.path.pop(0)
+    saved = [("a", "AModel"), ("a", "AForX"), ("b", "BModel")]
+    classes = {"AModel": {"status": "ok", "detail": ""}, "AForX": {"status": "refused", "detail": "A needs x"},
+               "BModel": {"status": "failed", "detail": "forward: boom"}}
+    assert compat_check.family_status(classes, saved) == {"a": "refused: A needs x",
+                                                          "b": "failed: BModel: forward: boom"}
+    assert compat_check._shown_args(["--keep", "/tmp/x", "--suite"]) == ["--suite"]
+    readme = (root / "README.md").read_text()
+    assert compat_check.TABLE_START in readme and compat_check.TABLE_END in readme
