@@ -109,3 +109,25 @@ def test_compat_tool_summarises_families_and_updates_the_readme_block():
     assert compat_check._shown_args(["--keep", "/tmp/x", "--suite"]) == ["--suite"]
     readme = (root / "README.md").read_text()
     assert compat_check.TABLE_START in readme and compat_check.TABLE_END in readme
+
+
+@pytest.mark.parametrize("family", ["ouro", "attractor_lm", "self_llama", "self_mistral"])
+def test_causal_lms_fill_a_cache_passed_as_cache(family):
+    """``generate`` passes ``cache=`` from transformers 5.24; SELF once ignored it silently (wrong cached tokens)."""
+    import importlib
+
+    from transformers import DynamicCache
+
+    from hf_fixedpoint.modeling import FAMILIES
+
+    config_class, models = next((c, m) for c, m in FAMILIES if c.model_type == family)
+    module = importlib.import_module(f"tests.models.{family}.test_modeling_{family}")
+    tester = next(cls for cls in vars(module).values()
+                  if getattr(cls, "config_class", None) is config_class and hasattr(cls, "get_config"))()
+    lm_class = models[-1][1]
+    model = lm_class(tester.get_config()).eval()
+    ids = torch.randint(1, 50, (1, 5))
+    cache = DynamicCache()
+    with torch.no_grad():
+        out = model(input_ids=ids, cache=cache, use_cache=True)
+    assert cache.get_seq_length() == 5 and getattr(out, fp_compat.CACHE_NAME) is cache
