@@ -9,7 +9,7 @@ export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_EVALUATE_OFFLINE := 1
 
-.PHONY: install demo test test-slow lint vendor bench clean
+.PHONY: install demo test test-slow lint vendor bench compat clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,7 +32,13 @@ test-slow: install
 	$(BIN)/python -m pytest -q -m slow
 
 lint: install
-	$(BIN)/ruff check hf_fixedpoint modeling eval recipes tests benchmarks
+	$(BIN)/ruff check hf_fixedpoint modeling eval recipes tests benchmarks tools
+
+# Saves every family, loads each class in clean venvs (torch 2.13.0 CPU + one transformers release: the tested ones
+# and the newest on PyPI), compares outputs, runs the test suite on the newest release; writes the support table
+# (hf_fixedpoint/compat_support.json, README). About 25 min on 2 cores.
+compat: install
+	$(BIN)/python tools/compat_check.py --suite --write
 
 vendor: install
 	$(BIN)/python -m hf_fixedpoint.vendor

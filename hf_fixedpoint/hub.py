@@ -17,6 +17,7 @@ import importlib
 import inspect
 import json
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -69,6 +70,15 @@ model = {{ auto_class }}.from_pretrained("{{ model_id }}", trust_remote_code=Tru
 |---|---|
 {% for key, value in fp_settings %}| `{{ key }}` | `{{ value }}` |
 {% endfor %}
+{%- if compat %}
+## transformers releases
+
+Measured by hf-fixedpoint's compatibility check (`make compat`, {{ compat.date }}): a tiny checkpoint of this family
+saved by hf-fixedpoint (transformers {{ compat.saved_with }}) is loaded with `trust_remote_code=True` in a clean
+environment (torch {{ compat.torch }} CPU, one transformers release, safetensors) and its outputs compared.
+
+{{ compat.table }}
+{% endif %}
 {%- if results %}
 ## Evaluation
 
@@ -79,6 +89,41 @@ model = {{ auto_class }}.from_pretrained("{{ model_id }}", trust_remote_code=Tru
 {% endfor %}
 {%- endif %}
 """
+
+
+SUPPORT_FILE = Path(__file__).resolve().parent / "compat_support.json"
+
+
+def support_cell(status: str) -> str:
+    """A table cell for one family on one release: ``ok``, ``refused: ...`` or ``failed: ...`` (tools/compat_check)."""
+    if status == "ok":
+        return "yes"
+    needed = re.search(r"needs transformers>=([\w.]+)", status)
+    if status.startswith("refused") and needed:
+        return f"no: refuses at load, needs >= {needed.group(1)}"
+    return "**fails**"
+
+
+def support_table(support: dict = None, family: str = None) -> str:
+    """The measured support table (``compat_support.json``, written by ``make compat``) as markdown: every family
+    by release, or with ``family`` one family's status per release. Empty when the file is absent."""
+    if support is None:
+        if not SUPPORT_FILE.is_file():
+            return ""
+        support = json.loads(SUPPORT_FILE.read_text())
+    releases = support["releases"]
+    names = [r["transformers"] + (" (newest)" if r.get("newest") else "") for r in releases]
+    if family is not None:
+        if any(family not in r["families"] for r in releases):
+            return ""
+        rows = ["| transformers | loads and reproduces the outputs |", "|---|---|"]
+        rows += [f"| {n} | {support_cell(r['families'][family])} |" for n, r in zip(names, releases)]
+        return "\n".join(rows)
+    rows = ["| family | " + " | ".join(names) + " |", "|---" * (len(releases) + 1) + "|"]
+    for fam in releases[0]["families"]:
+        rows.append(f"| `{fam}` | " + " | ".join(support_cell(r["families"][fam]) for r in releases) + " |")
+    rows.append("| classes that load and match | " + " | ".join(f"{r['ok']} / {r['total']}" for r in releases) + " |")
+    return "\n".join(rows)
 
 
 def export(model, output_dir, *, merge_lora=True, fold_parametrizations=True, model_card=None,
@@ -295,7 +340,8 @@ def model_card(model, *, model_id, base_model=None, datasets=None, eval_results=
 
     The metadata carries the tags ``hf-fixedpoint``, ``fixed-point``, ``custom_code`` and the ``model_type``,
     ``library_name: transformers`` and a pipeline tag inferred from the auto class (``text-generation`` for causal
-    LMs); the body lists the config's ``fp_*`` settings and how to load the model with ``trust_remote_code=True``.
+    LMs); the body lists the config's ``fp_*`` settings, how to load the model with ``trust_remote_code=True`` and the
+    family's measured transformers support table (``support_table``).
     """
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
@@ -319,10 +365,15 @@ def model_card(model, *, model_id, base_model=None, datasets=None, eval_results=
         eval_results=results or None,
     )
     fp_settings = [(k, json.dumps(v)) for k, v in sorted(config.to_dict().items()) if k.startswith("fp_")]
+    compat = None
+    table = support_table(family=config.model_type)
+    if table:
+        support = json.loads(SUPPORT_FILE.read_text())
+        compat = {"table": table, **{k: support[k] for k in ("date", "saved_with", "torch")}}
     return ModelCard.from_template(
         card_data, template_str=_CARD_TEMPLATE, model_id=model_id, description=description,
         model_class=cls.__name__, model_type=config.model_type, auto_class=auto_class, fp_settings=fp_settings,
-        results=results,
+        results=results, compat=compat,
     )
 
 

@@ -4,6 +4,9 @@
     python -m hf_fixedpoint.vendor --check   # exit 1 on drift, missing copies or stale fp_*.py files
     python hf_fixedpoint/vendor.py           # the same without importing hf_fixedpoint (when a copy is missing)
 
+The check also fails when a ``modeling_*`` / ``configuration_*`` file reaches a module only through another module
+(``direct_import_problems``): older transformers releases would not copy that module into the modules cache.
+
 Why: ``save_pretrained`` copies a model's code into the checkpoint only from flat sibling files (``from .x import y``),
 so a checkpoint loads with torch + transformers alone only if the solvers sit next to the modeling file. The copies are
 generated, never edited; ``hf_fixedpoint/core/`` is the source of truth (transformers' ``FULL_COPIES`` idea).
@@ -51,6 +54,32 @@ def required_core_files(family_dir: Path) -> set:
     return needed
 
 
+def direct_import_problems(family_dir: Path) -> list:
+    """Files a ``modeling_*`` / ``configuration_*`` file needs through other files but does not import itself.
+
+    From a local folder, transformers 4.57 to 5.5 copy into the modules cache only the loaded file and its *direct*
+    relative imports (they recurse only for Hub downloads): a module reached through another one is missing there and
+    the load fails with ``FileNotFoundError``. So every module of a file's import closure is imported by the file.
+    """
+    from transformers.dynamic_module_utils import get_relative_imports
+
+    problems = []
+    for path in sorted(family_dir.glob("*.py")):
+        if not path.name.startswith(("modeling_", "configuration_")):
+            continue
+        direct = set(get_relative_imports(path))
+        closure, todo = set(direct), list(direct)
+        while todo:
+            sibling = family_dir / f"{todo.pop()}.py"
+            for dep in get_relative_imports(sibling) if sibling.is_file() else ():
+                if dep not in closure:
+                    closure.add(dep)
+                    todo.append(dep)
+        for name in sorted(closure - direct):
+            problems.append(f"{path}: imports {name} only through another module; add `from .{name} import ...`")
+    return problems
+
+
 def family_dirs(modeling_dir: Path):
     return sorted(p for p in modeling_dir.iterdir() if p.is_dir() and any(p.glob("modeling_*.py")))
 
@@ -76,6 +105,7 @@ def sync(modeling_dir: Path = None, check: bool = False) -> list:
                     problems.append(f"{stale}: not imported by {fam.name} any more")
                 else:
                     stale.unlink()
+        problems += direct_import_problems(fam)
     return problems
 
 
@@ -88,7 +118,8 @@ def main(argv=None) -> int:
     for p in problems:
         print(p, file=sys.stderr)
     if problems:
-        print("vendored core copies are out of date: run `python -m hf_fixedpoint.vendor`", file=sys.stderr)
+        print("vendored core copies are out of date (`python -m hf_fixedpoint.vendor` rewrites them) or a modeling / "
+              "configuration file lacks a direct import (fix it by hand)", file=sys.stderr)
         return 1
     if not args.check:
         print("vendored core copies are up to date")

@@ -241,6 +241,30 @@ def test_model_card():
     assert '| `fp_solver` | `"anderson"` |' in card.text and "| `fp_max_iter` | `20` |" in card.text
 
 
+SUPPORT = {"date": "2026-11-25", "saved_with": "5.23.0", "torch": "2.13.0", "releases": [
+    {"transformers": "4.57.6", "newest": False, "ok": 1, "total": 2,
+     "families": {"deq_lm": "ok", "fpsa_vit": "refused: FPSA-ViT needs transformers>=5.12 (x is missing)"}},
+    {"transformers": "5.24.0", "newest": True, "ok": 1, "total": 2,
+     "families": {"deq_lm": "ok", "fpsa_vit": "failed: FPSAViTModel: forward: TypeError"}}]}
+
+
+def test_support_table_from_the_measured_file():
+    table = hub.support_table(SUPPORT)
+    assert "| family | 4.57.6 | 5.24.0 (newest) |" in table
+    assert "| `fpsa_vit` | no: refuses at load, needs >= 5.12 | **fails** |" in table
+    assert "| classes that load and match | 1 / 2 | 1 / 2 |" in table
+    assert hub.support_table(SUPPORT, family="deq_lm").splitlines()[2:] == ["| 4.57.6 | yes |",
+                                                                             "| 5.24.0 (newest) | yes |"]
+
+
+def test_model_card_carries_the_family_support_table(tmp_path, monkeypatch):
+    monkeypatch.setattr(hub, "SUPPORT_FILE", tmp_path / "compat_support.json")
+    assert "## transformers releases" not in hub.model_card(tiny_model(), model_id="u/m").text
+    (tmp_path / "compat_support.json").write_text(json.dumps(SUPPORT))
+    text = hub.model_card(tiny_model(), model_id="u/m").text
+    assert "## transformers releases" in text and "| 5.24.0 (newest) | yes |" in text
+
+
 def test_push_to_hub_uploads_self_contained_folder():
     model = tiny_model()
     card = hub.model_card(model, model_id="user/deq-lm-tiny", eval_results=[EVAL_RESULT])

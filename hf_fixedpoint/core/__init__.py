@@ -1,7 +1,8 @@
 """The fixed-point core: solvers, backward modes, Jacobian tools, loop samplers and halting.
 
-Files here import only the standard library, torch and each other (``from .fp_x import y``); ``python -m
-hf_fixedpoint.vendor`` copies them into ``modeling/<family>/`` so saved checkpoints are self-contained.
+Files here import only the standard library, torch and each other (``from .fp_x import y``), except ``fp_compat``
+(the shims over transformers releases, which imports transformers); ``python -m hf_fixedpoint.vendor`` copies them
+into ``modeling/<family>/`` so saved checkpoints are self-contained.
 """
 
 from .fp_backward import BACKWARDS, fixed_point

@@ -42,17 +42,20 @@ def trunc_normal_(t: torch.Tensor, std: float = 1.0, lower: float = -2.0, upper:
     """Truncated normal on ``[lower, upper]`` standard deviations, rescaled so the *actual* std is ``std``.
 
     One ``nn.init`` call, so that transformers' ``from_pretrained`` (which guards ``nn.init`` while it fills missing
-    weights) leaves a loaded tensor as it is."""
+    weights) leaves a loaded tensor as it is. Returns ``t`` itself: transformers 4.57's guard replaces ``nn.init``
+    functions by ones that return ``None``."""
     with torch.no_grad():
         if std == 0:
-            return nn.init.zeros_(t)
+            nn.init.zeros_(t)
+            return t
         a, b = lower / math.sqrt(2), upper / math.sqrt(2)
         z = (math.erf(b) - math.erf(a)) / 2
         pdf_u = math.exp(-(upper**2) / 2) / math.sqrt(2 * math.pi)
         pdf_l = math.exp(-(lower**2) / 2) / math.sqrt(2 * math.pi)
         var = 1 - (upper * pdf_u - lower * pdf_l) / z - ((pdf_u - pdf_l) / z) ** 2
         scale = std / math.sqrt(var)
-        return nn.init.trunc_normal_(t, mean=0.0, std=scale, a=lower * scale, b=upper * scale)
+        nn.init.trunc_normal_(t, mean=0.0, std=scale, a=lower * scale, b=upper * scale)
+        return t
 
 
 def rms_norm(x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:

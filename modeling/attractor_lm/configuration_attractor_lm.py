@@ -4,8 +4,11 @@ to a fixed point, and the tied embedding decodes it."""
 
 from transformers import PretrainedConfig
 
+from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_registry import check_choice, check_number
 from .fp_settings import pop_fp_kwargs
+from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_problems)
 
 INJECTIONS = ("add", "initial_only", "concat")
 

@@ -17,12 +17,9 @@ from typing import Optional
 import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
-from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import ModelOutput
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
@@ -32,12 +29,15 @@ from transformers.utils import can_return_tuple
 
 from .configuration_attractor_lm import AttractorConfig
 from .fp_backward import fixed_point
+from .fp_compat import CACHE_NAME, attention_function, cache_field, create_causal_mask, init, pop_cache
 from .fp_registry import check_number
 from .fp_settings import fixed_point_kwargs
+from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_stats import FixedPointStats
 
 
 @dataclass
+@cache_field
 class AttractorModelOutput(ModelOutput):
     """``last_hidden_state``: ``RMSNorm(y*)`` ``(B, T, D)`` (``RMSNorm(y0)`` for a T=0 readout); ``proposal``: the
     backbone's ``y0``; ``attractor_state``: ``y*``; ``past_key_values``: the cache; ``fp_stats``: per-token solver
@@ -58,6 +58,7 @@ class AttractorModelOutput(ModelOutput):
 
 
 @dataclass
+@cache_field
 class AttractorCausalLMOutput(ModelOutput):
     loss: Optional[torch.FloatTensor] = None
     logits: Optional[torch.FloatTensor] = None
@@ -105,7 +106,7 @@ class AttractorAttention(nn.Module):
             k, v = past_key_values.update(k, v, self.layer_idx)
         elif past_kv is not None:
             k, v = torch.cat([past_kv[0], k], dim=-2), torch.cat([past_kv[1], v], dim=-2)
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        attention = attention_function(self.config._attn_implementation, eager_attention_forward)
         out, attn_weights = attention(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling)
         if weights is not None:
             weights.append(attn_weights)
@@ -168,7 +169,7 @@ class AttractorPreTrainedModel(PreTrainedModel):
     config_class = AttractorConfig
     base_model_prefix = "model"
     _no_split_modules = ["AttractorDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["past_key_values", "cache"]
     _supports_sdpa = True
 
     @torch.no_grad()
@@ -235,6 +236,7 @@ class AttractorModel(AttractorPreTrainedModel):
         output_attentions: Optional[bool] = None,
         **kwargs,
     ) -> AttractorModelOutput:
+        past_key_values = pop_cache(past_key_values, kwargs)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds.")
         readout_iters = self.config.readout_iters if readout_iters is None else readout_iters
@@ -271,7 +273,7 @@ class AttractorModel(AttractorPreTrainedModel):
         y0 = h
         if readout_iters == 0:  # T=0 readout: decode the proposal
             return self._output(record, want_hidden, want_attn, last_hidden_state=self.norm(y0), proposal=y0,
-                                past_key_values=past_key_values)
+                                **{CACHE_NAME: past_key_values})
 
         # Attractor T_a: per-token fixed point from y0, iterating against the attractor's cached keys/values.
         past = ()
@@ -296,7 +298,7 @@ class AttractorModel(AttractorPreTrainedModel):
                 self.attractor_map(y_star.detach(), y0.detach(), cos, sin, mask, cache=past_key_values,
                                    record=record)
         return self._output(record, want_hidden, want_attn, last_hidden_state=self.norm(y_star), proposal=y0,
-                            attractor_state=y_star, past_key_values=past_key_values, fp_stats=stats)
+                            attractor_state=y_star, fp_stats=stats, **{CACHE_NAME: past_key_values})
 
     @staticmethod
     def _output(record, want_hidden, want_attn, **fields) -> AttractorModelOutput:
@@ -337,6 +339,7 @@ class AttractorForCausalLM(AttractorPreTrainedModel, GenerationMixin):
         """``fp_overrides`` (e.g. ``{"fp_max_iter": 32}``) and ``readout_iters`` (0: decode the backbone proposal,
         ``k``: at most ``k`` solver iterations) change this call only; ``generate`` passes them to every step.
         ``kwargs`` reach the loss (``num_items_in_batch``, ``shift_labels``, ``ignore_index``)."""
+        past_key_values = pop_cache(past_key_values, kwargs)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
                          fp_overrides=fp_overrides, readout_iters=readout_iters,
@@ -348,7 +351,7 @@ class AttractorForCausalLM(AttractorPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return AttractorCausalLMOutput(loss=loss, logits=logits, past_key_values=out.past_key_values,
+        return AttractorCausalLMOutput(loss=loss, logits=logits, **{CACHE_NAME: getattr(out, CACHE_NAME)},
                                        fp_stats=out.fp_stats, hidden_states=out.hidden_states,
                                        attentions=out.attentions)
 

@@ -3,7 +3,11 @@ weight-tied transformer block is solved to its fixed point (Bai et al., "Deep Eq
 
 from transformers import PretrainedConfig
 
+from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_registry import check_number  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_settings import pop_fp_kwargs
+from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_problems)
 
 
 class DEQLMConfig(PretrainedConfig):

@@ -17,7 +17,9 @@ from transformers.utils import can_return_tuple
 
 from .configuration_deq_lm import DEQLMConfig
 from .fp_backward import fixed_point
+from .fp_registry import check_number  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_settings import fixed_point_kwargs
+from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_stats import FixedPointStats
 
 

@@ -2,9 +2,12 @@
 
 from transformers import PretrainedConfig
 
+from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_reasoning import CONV_KINDS, check_puzzle_config
 from .fp_registry import check_choice, check_number
 from .fp_settings import pop_fp_kwargs
+from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_problems)
 
 RESIDUAL_SCALES = ("learned", "fixed")
 INITS = ("noise", "fixed")

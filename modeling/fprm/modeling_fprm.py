@@ -19,13 +19,13 @@ from typing import Optional
 import torch
 from torch import nn
 from transformers import PreTrainedModel
-from transformers import initialization as init
 from transformers.modeling_outputs import ModelOutput
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from transformers.utils import can_return_tuple
 
 from .configuration_fprm import WINDOW_SOLVERS, FPRMConfig
 from .fp_backward import fixed_point
+from .fp_compat import init
 from .fp_reasoning import (
     PuzzleCheckpointMixin,
     PuzzleHeads,
@@ -37,6 +37,7 @@ from .fp_reasoning import (
     rms_norm,
     trunc_normal_,
 )
+from .fp_registry import check_number  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_settings import fixed_point_kwargs
 from .fp_solvers import SOLVERS, _residual
 from .fp_stats import FixedPointStats

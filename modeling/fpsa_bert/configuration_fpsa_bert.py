@@ -7,8 +7,14 @@ names; the ``fp_*`` knobs (solver, ``fp_tol``, ``fp_max_iter``, backward mode...
 
 from transformers import BertConfig
 
+from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_fpsa import FPSA_FP_DEFAULTS, check_heads, pop_fpsa_kwargs, retrofit_config_dict
+from .fp_halting import ACTAccumulator  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_jacobian import jacobian_frobenius  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_registry import check_number  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_settings import pop_fp_kwargs
+from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_problems)
 
 # Checkpoints whose config this class accepts: plain BERT (a retrofit) and FPSA-BERT itself.
 COMPATIBLE_MODEL_TYPES = ("bert", "fpsa_bert")

@@ -30,7 +30,6 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutput,
     TokenClassifierOutput,
 )
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.bert.modeling_bert import (
     BertAttention,
     BertEmbeddings,
@@ -40,11 +39,12 @@ from transformers.models.bert.modeling_bert import (
     BertPooler,
     BertSelfAttention,
     BertSelfOutput,
-    eager_attention_forward,
 )
 from transformers.utils import can_return_tuple
 
 from .configuration_fpsa_bert import FPSABertConfig
+from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_compat import attention_function, require_transformers
 from .fp_fpsa import (
     FPSAHaltingGate,
     FPSAHeadMixin,
@@ -53,7 +53,17 @@ from .fp_fpsa import (
     fpsa_attention,
     init_fpsa_weights,
 )
+from .fp_halting import ACTAccumulator  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_jacobian import jacobian_frobenius  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_registry import check_number  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_settings import fixed_point_kwargs
+from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_problems)
+
+try:
+    from transformers.models.bert.modeling_bert import eager_attention_forward
+except ImportError:  # 4.57: BERT's attention is not written against attention functions yet
+    require_transformers("5.0", "FPSA-BERT", "BERT has no eager_attention_forward")
 
 
 class FPSABertSelfAttention(BertSelfAttention):
@@ -81,7 +91,7 @@ class FPSABertSelfAttention(BertSelfAttention):
 
         learned = config.fpsa_halting == "learned"
         # Entropy features need the attention weights: learned halting uses BERT's eager attention.
-        attention_fn = eager_attention_forward if learned else ALL_ATTENTION_FUNCTIONS.get_interface(
+        attention_fn = eager_attention_forward if learned else attention_function(
             config._attn_implementation, eager_attention_forward)
         result = fpsa_attention(
             self, hidden_states,

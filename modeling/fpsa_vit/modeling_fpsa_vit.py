@@ -12,9 +12,8 @@ from typing import Optional
 import torch
 from torch import nn
 from transformers import ViTForImageClassification, ViTModel, ViTPreTrainedModel
-from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
 from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClassifierOutput
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.vit import modeling_vit
 from transformers.models.vit.modeling_vit import (
     ViTAttention,
     ViTEmbeddings,
@@ -25,6 +24,8 @@ from transformers.models.vit.modeling_vit import (
 from transformers.utils import can_return_tuple
 
 from .configuration_fpsa_vit import FPSAViTConfig
+from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_compat import attention_function, require_transformers
 from .fp_fpsa import (
     FPSAHaltingGate,
     FPSAHeadMixin,
@@ -33,7 +34,22 @@ from .fp_fpsa import (
     fpsa_attention,
     init_fpsa_weights,
 )
+from .fp_halting import ACTAccumulator  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_jacobian import jacobian_frobenius  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_registry import check_number  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_settings import fixed_point_kwargs
+from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_problems)
+
+try:
+    from transformers.conversion_mapping import (
+        get_checkpoint_conversion_mapping,
+        register_checkpoint_conversion_mapping,
+    )
+except ImportError:  # 4.57: no checkpoint conversion mappings
+    require_transformers("5.12", "FPSA-ViT", "transformers.conversion_mapping does not exist")
+if hasattr(modeling_vit, "ViTEncoder"):  # up to 5.5 at least, ViTModel kept its layers in encoder.layer
+    require_transformers("5.12", "FPSA-ViT", "ViTModel keeps its layers in encoder.layer")
 
 # Old (transformers 4) ViT checkpoints: the renaming transformers applies to ViTModel, for our class name too.
 register_checkpoint_conversion_mapping("FPSAViTModel", get_checkpoint_conversion_mapping("ViTModel"), overwrite=True)
@@ -62,7 +78,7 @@ class FPSAViTAttention(ViTAttention):
             return t.view(*t.shape[:-1], -1, self.head_dim).transpose(1, 2)
 
         learned = config.fpsa_halting == "learned"
-        attention_fn = eager_attention_forward if learned else ALL_ATTENTION_FUNCTIONS.get_interface(
+        attention_fn = eager_attention_forward if learned else attention_function(
             config._attn_implementation, eager_attention_forward)
         result = fpsa_attention(
             self, hidden_states,

@@ -42,7 +42,7 @@ class OuroConfig(PretrainedConfig):
     """
 
     model_type = "ouro"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]  # "cache": the output field from transformers 5.24
     # Read by transformers' Llama attention / MLP, which Ouro reuses: Ouro has no projection biases. Class
     # attributes, so they are not written to config.json (the released files do not have them).
     attention_bias = False

@@ -31,18 +31,18 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
-from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import ModelOutput
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 from transformers.utils import can_return_tuple
-from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_ouro import OuroConfig
+from .fp_compat import CACHE_NAME, cache_field, capture_outputs, create_causal_mask, pop_cache
 from .fp_registry import check_number
 
 
 @dataclass
+@cache_field
 class OuroModelOutput(ModelOutput):
     """
     Attributes:
@@ -64,6 +64,7 @@ class OuroModelOutput(ModelOutput):
 
 
 @dataclass
+@cache_field
 class OuroCausalLMOutput(ModelOutput):
     """
     Attributes:
@@ -129,7 +130,7 @@ class OuroDecoderLayer(GradientCheckpointingLayer):
 
     def forward(self, hidden_states, attention_mask=None, position_embeddings=None, past_key_values=None, **kwargs):
         attn, _ = self.self_attn(self.input_layernorm(hidden_states), position_embeddings=position_embeddings,
-                                 attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
+                                 attention_mask=attention_mask, **{CACHE_NAME: past_key_values}, **kwargs)
         hidden_states = hidden_states + self.input_layernorm_2(attn)
         mlp = self.mlp(self.post_attention_layernorm(hidden_states))
         return hidden_states + self.post_attention_layernorm_2(mlp)
@@ -140,7 +141,7 @@ class OuroPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["OuroDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["past_key_values", "cache"]
     _supports_sdpa = True
     _supports_flash_attn = True
     _supports_flex_attn = True
@@ -227,6 +228,7 @@ class OuroModel(OuroPreTrainedModel):
         total_ut_steps: Optional[int] = None,
         **kwargs,
     ) -> OuroModelOutput:
+        past_key_values = pop_cache(past_key_values, kwargs)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds.")
         loops = _resolve_loops(total_ut_steps, self.config)
@@ -255,7 +257,7 @@ class OuroModel(OuroPreTrainedModel):
             states.append(hidden_states)
             gates.append(self.early_exit_gate(hidden_states))
         loop_step = partial(self.loop_step, attention_mask=attention_mask, position_ids=position_ids)
-        return OuroModelOutput(last_hidden_state=hidden_states, past_key_values=past_key_values,
+        return OuroModelOutput(last_hidden_state=hidden_states, **{CACHE_NAME: past_key_values},
                                loop_hidden_states=tuple(states), gate_logits=torch.cat(gates, dim=-1),
                                loop_step=loop_step)
 
@@ -303,6 +305,7 @@ class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
         ``use_weighted_exit``, the threshold, the last loop. All loops are computed in every case (as upstream: the
         exit selects, it does not save compute, which keeps the per-loop cache complete for the next tokens).
         """
+        past_key_values = pop_cache(past_key_values, kwargs)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
                          total_ut_steps=total_ut_steps, return_dict=True, **kwargs)
@@ -341,7 +344,7 @@ class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
                 logits = self.lm_head(chosen.squeeze(-2))
             else:
                 logits = loop_logits[-1] if need_all else self.lm_head(states[-1])
-        return OuroCausalLMOutput(loss=loss, logits=logits, past_key_values=out.past_key_values,
+        return OuroCausalLMOutput(loss=loss, logits=logits, **{CACHE_NAME: getattr(out, CACHE_NAME)},
                                   loop_hidden_states=out.loop_hidden_states, gate_logits=out.gate_logits,
                                   exit_pdf=pdf, loop_logits=tuple(loop_logits) if output_loop_logits else None,
                                   loop_step=out.loop_step, hidden_states=out.hidden_states,

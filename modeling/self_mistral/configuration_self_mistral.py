@@ -7,8 +7,14 @@ weight names; the ``fp_*`` knobs (solver, ``fp_tol``, ``fp_max_iter``, backward 
 
 from transformers import MistralConfig
 
+from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_fpsa import FPSA_FP_DEFAULTS, check_decoder_fpsa, check_heads, pop_fpsa_kwargs, retrofit_config_dict
+from .fp_halting import ACTAccumulator  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_jacobian import jacobian_frobenius  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_registry import check_number  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_settings import pop_fp_kwargs
+from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_problems)
 
 # Checkpoints whose config this class accepts: plain Mistral (a retrofit) and SELF-Mistral itself.
 COMPATIBLE_MODEL_TYPES = ("mistral", "self_mistral")

@@ -25,7 +25,6 @@ from transformers import MistralForCausalLM, MistralModel, MistralPreTrainedMode
 from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.mistral.modeling_mistral import (
     MistralAttention,
     MistralDecoderLayer,
@@ -38,8 +37,15 @@ from transformers.models.mistral.modeling_mistral import (
 from transformers.utils.generic import can_return_tuple
 
 from .configuration_self_mistral import SelfMistralConfig
+from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_compat import CACHE_NAME, attention_function, pop_cache
 from .fp_fpsa import FPSAStats, fpsa_decoder_attention, init_fpsa_weights, with_jac_penalty
+from .fp_halting import ACTAccumulator  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_jacobian import jacobian_frobenius  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_registry import check_number  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_settings import call_overrides, fixed_point_kwargs, reject_unknown_knobs
+from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_problems)
 
 # Keywords a SELF forward passes down to its layers; any other fp* keyword is a typo.
 _MODEL_KNOBS = ("fp_overrides", "fpsa_stats")
@@ -71,9 +77,10 @@ class SelfMistralAttention(MistralAttention):
                 fpsa_residual=None, fpsa_norm=None, fpsa_fp_kwargs: Optional[dict] = None,
                 fpsa_stats: Optional[FPSAStats] = None, **kwargs):
         config = self.config
+        past_key_values = pop_cache(past_key_values, kwargs)
         if fpsa_fp_kwargs is None:
             fpsa_fp_kwargs = fixed_point_kwargs(config, self.training)
-        attention_fn = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)
+        attention_fn = attention_function(config._attn_implementation, eager_attention_forward)
         # Not attention-function arguments here: the solver drops finished rows, so per-row tensors must not ride
         # along in the keyword arguments, and the cache is handled by fpsa_decoder_attention.
         kwargs.pop("position_ids", None)
@@ -169,14 +176,15 @@ class SelfMistralModel(SelfMistralPreTrainedModel, MistralModel):
                 inputs_embeds=None, use_cache=None, fp_overrides: Optional[dict] = None,
                 fpsa_stats: Optional[FPSAStats] = None, **kwargs):
         reject_unknown_knobs(kwargs, _MODEL_KNOBS, type(self).__name__)
+        past_key_values = pop_cache(past_key_values, kwargs)
         check_cache(past_key_values)
         stats = FPSAStats() if fpsa_stats is None else fpsa_stats
         if attention_mask is not None and attention_mask.dim() == 2:
             length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
             stats.token_mask = attention_mask[:, -length:].bool()
         out = super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                              return_dict=True,
+                              inputs_embeds=inputs_embeds, use_cache=use_cache, return_dict=True,
+                              **{CACHE_NAME: past_key_values},
                               fpsa_fp_kwargs=fixed_point_kwargs(self.config, self.training, fp_overrides),
                               fpsa_stats=stats, **kwargs)
         return SelfMistralModelOutputWithPast(**out, fp_stats=stats)
@@ -199,10 +207,11 @@ class SelfMistralForCausalLM(SelfMistralPreTrainedModel, MistralForCausalLM):
                 fp_tol: Optional[float] = None, fp_overrides: Optional[dict] = None,
                 fp_stats_log: Optional[list] = None, **kwargs):
         reject_unknown_knobs(kwargs, _LM_KNOBS, type(self).__name__)
+        past_key_values = pop_cache(past_key_values, kwargs)
         stats = FPSAStats()
         out = super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
-                              use_cache=use_cache, logits_to_keep=logits_to_keep, return_dict=True,
+                              inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
+                              **{CACHE_NAME: past_key_values}, logits_to_keep=logits_to_keep, return_dict=True,
                               fp_overrides=call_overrides(fp_overrides, fp_max_iter, fp_tol), fpsa_stats=stats,
                               **kwargs)
         if fp_stats_log is not None:

@@ -3,9 +3,12 @@ Attractor-reasoning / TRM-DEQ ("Solve the Loop: Attractor Models", puzzle experi
 
 from transformers import PretrainedConfig
 
+from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_reasoning import check_puzzle_config
 from .fp_registry import check_number
 from .fp_settings import pop_fp_kwargs
+from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_problems)
 
 # Attractor-reasoning's inner solve: Anderson, 4 to 8 iterations, tol 1e-3, phantom gradient through 2 iterates.
 TRM_FP_DEFAULTS = {"fp_solver": "anderson", "fp_tol": 1e-3, "fp_max_iter": 8, "fp_min_iter": 4,

@@ -30,7 +30,9 @@ from .fp_reasoning import (
     relative_change,
     trunc_normal_,
 )
+from .fp_registry import check_number  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_settings import fixed_point_kwargs
+from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_stats import FixedPointStats
 
 

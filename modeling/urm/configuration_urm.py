@@ -3,9 +3,12 @@ through its loops and an ACT outer loop with a Q-halt head."""
 
 from transformers import PretrainedConfig
 
+from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_reasoning import check_puzzle_config
 from .fp_registry import check_number
 from .fp_settings import pop_fp_kwargs
+from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_problems)
 
 # URM's forward-only loops as an unrolled Picard solve: 6 loops (scripts: H_cycles=2, L_cycles=6), never early.
 URM_FP_DEFAULTS = {"fp_solver": "picard", "fp_tol": 1e-9, "fp_max_iter": 6, "fp_return": "last"}

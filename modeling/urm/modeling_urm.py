@@ -15,6 +15,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from transformers.utils import can_return_tuple
 
 from .configuration_urm import URMConfig
+from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_reasoning import (
     PuzzleCheckpointMixin,
     PuzzleHeads,
@@ -24,6 +25,7 @@ from .fp_reasoning import (
     puzzle_hidden_states,
     trunc_normal_,
 )
+from .fp_registry import check_number  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_settings import fixed_point_kwargs
 from .fp_solvers import solve
 from .fp_stats import FixedPointStats

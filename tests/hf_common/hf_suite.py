@@ -2,7 +2,8 @@
 
 The wheel ships no tests; the PyPI sdist of the pinned transformers does (``tests/test_modeling_common.py`` and
 ``tests/test_configuration_common.py``). ``ensure()`` downloads that sdist once from PyPI (``pip download``, ~11 MB),
-extracts the two files into ``tests/hf_common/_hf/hf_common_tests/`` (git-ignored; HF's code is not committed) and
+extracts the two files into ``tests/hf_common/_hf/<version>/hf_common_tests/`` (git-ignored; HF's code is not
+committed; one folder per installed transformers release, so the suite of another release is never reused) and
 adds three stub modules for the parts the sdist lacks (the generation and export mixins, whose suites are not in the
 sdist, and the common config kwargs). Needs network access to PyPI on the first run.
 """
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import transformers
 
-ROOT = Path(__file__).resolve().parent / "_hf"
+ROOT = Path(__file__).resolve().parent / "_hf" / transformers.__version__
 PACKAGE = ROOT / "hf_common_tests"
 FILES = ("test_modeling_common.py", "test_configuration_common.py")
 STUBS = {

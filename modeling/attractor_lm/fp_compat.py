@@ -1,0 +1,120 @@
+# Source of truth: hf_fixedpoint/core/fp_compat.py. Verbatim copies live in modeling/*/ so that checkpoints
+# saved with save_pretrained() load with torch + transformers only. Edit here, then run
+# `python -m hf_fixedpoint.vendor`. Allowed imports: stdlib, torch, transformers (this file only).
+"""Differences between transformers releases, detected once from the installed transformers.
+
+The model files call these instead of branching on version numbers: a checkpoint's code then keeps working when a
+release renames or moves an API it uses. Each name below is detected from what the installed release defines (a
+dataclass field, a function signature, a module), never from ``transformers.__version__``. This is the one core file
+that imports transformers; the others import only torch and the standard library.
+
+* ``CACHE_NAME``: the name of the cache in ``ModelOutput`` fields and in the keywords of transformers' own forwards:
+  ``"past_key_values"`` up to 5.23, ``"cache"`` from 5.24 (where ``ModelOutput`` renames ``past_key_values=`` and
+  ``cache_params=`` keywords of every subclass's ``__init__`` into ``cache=``, and ``generate`` passes ``cache=``).
+* ``cache_field``: class decorator for output dataclasses that declare ``past_key_values``.
+* ``pop_cache``: the cache a forward was given under either name.
+* ``create_causal_mask``: transformers' mask helper whatever its keyword names (``input_embeds`` / ``inputs_embeds``,
+  ``past_key_values`` / ``cache``, a required ``cache_position`` up to 5.0).
+* ``capture_outputs``, ``init``: transformers' output-recording decorator and initializers, under their current or
+  earlier names.
+* ``attention_function``: ``ALL_ATTENTION_FUNCTIONS.get_interface``, which 5.0 and older lack.
+* ``require_transformers``: refuse, with the release needed, where a family uses an API an old release lacks.
+"""
+
+import dataclasses
+import inspect
+from types import SimpleNamespace
+
+import torch
+import transformers
+from transformers import masking_utils
+from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+try:  # 5.5 and later
+    from transformers.utils.output_capturing import capture_outputs
+except ImportError:  # 4.57, 5.0: the same decorator under its earlier name
+    from transformers.utils.generic import check_model_inputs as capture_outputs
+
+try:  # 5.0 and later: initializers that leave weights loaded from a checkpoint alone
+    from transformers import initialization as init
+except ImportError:  # 4.57: torch's own (there, weights from a checkpoint are set after initialization)
+
+    def _copy_(tensor, other):
+        with torch.no_grad():
+            return tensor.copy_(other)
+
+    init = SimpleNamespace(constant_=torch.nn.init.constant_, copy_=_copy_)
+
+_OUTPUT_FIELDS = {f.name for f in dataclasses.fields(BaseModelOutputWithPast)}
+CACHE_NAME = "cache" if "cache" in _OUTPUT_FIELDS else "past_key_values"
+
+
+def cache_field(cls):
+    """Rename a ``past_key_values`` field of an output class to ``CACHE_NAME``; apply below ``@dataclass``.
+
+    From 5.24 ``ModelOutput`` turns a ``past_key_values=`` keyword into ``cache=`` before the dataclass ``__init__``
+    sees it, and reads ``.past_key_values`` through a property returning ``.cache``: a class declaring its own
+    ``past_key_values`` field then rejects every construction. Renamed here, the field keeps its place (the tuple
+    order of ``return_dict=False`` is unchanged) and both spellings work on every release.
+    """
+    if CACHE_NAME != "past_key_values" and "past_key_values" in cls.__dict__.get("__annotations__", {}):
+        annotations = cls.__dict__["__annotations__"]
+        cls.__annotations__ = {(CACHE_NAME if k == "past_key_values" else k): v for k, v in annotations.items()}
+        default = cls.__dict__["past_key_values"]
+        delattr(cls, "past_key_values")
+        setattr(cls, CACHE_NAME, default)
+    return cls
+
+
+def pop_cache(past_key_values, kwargs: dict):
+    """The cache passed as ``past_key_values`` or, as ``generate`` does from 5.24, as ``cache`` (popped from
+    ``kwargs``)."""
+    cache = kwargs.pop("cache", None)
+    if cache is not None and past_key_values is not None and cache is not past_key_values:
+        raise ValueError("Pass the cache once: `cache` and `past_key_values` are two names for it.")
+    return past_key_values if cache is None else cache
+
+
+_MASK_PARAMS = inspect.signature(masking_utils.create_causal_mask).parameters
+
+
+def create_causal_mask(config, inputs_embeds, attention_mask, past_key_values, position_ids=None, **kwargs):
+    """``transformers.masking_utils.create_causal_mask`` with this release's keyword names."""
+    embeds_name = "inputs_embeds" if "inputs_embeds" in _MASK_PARAMS else "input_embeds"
+    cache_name = "cache" if "cache" in _MASK_PARAMS else "past_key_values"
+    kwargs.update({embeds_name: inputs_embeds, cache_name: past_key_values})
+    cache_position = _MASK_PARAMS.get("cache_position")
+    if cache_position is not None and cache_position.default is inspect.Parameter.empty:
+        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        kwargs["cache_position"] = torch.arange(past, past + inputs_embeds.shape[1], device=inputs_embeds.device)
+    return masking_utils.create_causal_mask(config=config, attention_mask=attention_mask, position_ids=position_ids,
+                                            **kwargs)
+
+
+def attention_function(implementation, default):
+    """The attention function registered as ``implementation`` (``default`` for eager), as ``get_interface``."""
+    if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):
+        return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, default)
+    return default if implementation in (None, "eager") else ALL_ATTENTION_FUNCTIONS[implementation]
+
+
+def require_transformers(minimum: str, family: str, reason: str) -> None:
+    """Raise ``ImportError`` naming the release ``family`` needs; call it where an API it uses is detected missing.
+
+    The version number appears in the message only, never in the test that led here.
+    """
+    raise ImportError(f"{family} needs transformers>={minimum}: in the installed transformers "
+                      f"{transformers.__version__}, {reason}. Upgrade with: pip install -U 'transformers>={minimum}'")
+
+
+__all__ = [
+    "CACHE_NAME",
+    "attention_function",
+    "cache_field",
+    "capture_outputs",
+    "create_causal_mask",
+    "init",
+    "pop_cache",
+    "require_transformers",
+]
