@@ -405,6 +405,7 @@ def fpsa_attention(
     check_choice(step_norm, "fpsa_step_norm", STEP_NORMS)
     check_choice(halting, "fpsa_halting", HALTING_MODES)
     check_choice(halt_unit, "fpsa_halt_unit", HALT_UNITS)
+    check_choice(jac_norm, "fpsa_jac_norm", JAC_NORMS)
     attention_kwargs = dict(attention_kwargs or {})
     B, T, _ = x.shape
     residual = x if residual is None else residual
@@ -418,11 +419,13 @@ def fpsa_attention(
 
     inv_tau = None if log_temperature is None else torch.exp(-log_temperature).to(x.dtype)[None, :, None, None]
 
-    def attend(z, v, mask, ex, p=0.0):
+    def scaled_query(z, *ex):  # the learned per-head temperature divides the logits
         q = query(z, *ex)
-        if inv_tau is not None:
-            q = q * inv_tau
-        return attention_fn(module, q, key(z, *ex), v, mask, dropout=p, scaling=scaling, **attention_kwargs)
+        return q if inv_tau is None else q * inv_tau
+
+    def attend(z, v, mask, ex, p=0.0):
+        return attention_fn(module, scaled_query(z, *ex), key(z, *ex), v, mask, dropout=p, scaling=scaling,
+                            **attention_kwargs)
 
     o1, w1 = attend(x, value, attention_mask, extra, dropout)  # the base model's attention, exactly
     max_iter = fp_kwargs["max_iter"]
@@ -462,7 +465,7 @@ def fpsa_attention(
         if sparse:
             keys = torch.empty((B, value.shape[1], T, value.shape[-1]), dtype=value.dtype, device=value.device)
             stale = torch.ones(B, T, dtype=torch.bool, device=x.device)
-            sparse_f = _open_tokens_map(state, query, key, inv_tau, attend_rows, step_norm)
+            sparse_f = _open_tokens_map(state, scaled_query, key, attend_rows, step_norm)
             o, solve_stats = fixed_point(sparse_f, o1, args=(residual, value, attention_mask, keys, stale),
                                          batch_dims=3 if halt_unit == "head" else 2, compact=True, pass_active=True,
                                          **kw)
@@ -489,7 +492,6 @@ def fpsa_attention(
 def _jacobian_penalty(f, o, args, jac_norm, jac_target):
     """The differentiable Jacobian penalty of ``f(., *args)`` at the fixed point ``o`` and, for ``spectral``, the
     mean spectral radius (see ``fpsa_attention``'s ``jac_penalty``): ``(penalty, rho or None)``."""
-    check_choice(jac_norm, "fpsa_jac_norm", JAC_NORMS)
     # The penalty's gradient is a double backward: SDPA's fused CPU/GPU kernels have none, its math one has.
     with sdpa_kernel(SDPBackend.MATH):
         if jac_norm == "frobenius":
@@ -499,7 +501,7 @@ def _jacobian_penalty(f, o, args, jac_norm, jac_target):
     return torch.relu(rhos - jac_target).square().mean(), rhos.detach().mean()
 
 
-def _open_tokens_map(state, query, key, inv_tau, attend, step_norm):
+def _open_tokens_map(state, query, key, attend, step_norm):
     """The FPSA map of an encoder layer for a solve that passes the open entries (``active``): with every token open
     (or ``active=None``: the backward's own evaluations) it recomputes every token and, without gradients, caches
     the keys in ``keys``; otherwise only tokens with an open entry are recomputed (``_open_tokens_attention``)."""
@@ -512,16 +514,15 @@ def _open_tokens_map(state, query, key, inv_tau, attend, step_norm):
             if not torch.is_grad_enabled():  # the solve's own evaluations; a backward's keep their graph
                 k = keys.copy_(k)
                 stale.fill_(True)
-            q = query(z) if inv_tau is None else query(z) * inv_tau
-            new = attend(q, k, v, mask)
+            new = attend(query(z), k, v, mask)
         else:
-            new = _open_tokens_attention(o, res, tokens, stale, v, mask, keys, state, query, key, inv_tau, attend)
+            new = _open_tokens_attention(o, res, tokens, stale, v, mask, keys, state, query, key, attend)
         return o + torch.tanh(new - o) if step_norm == "tanh" else new
 
     return sparse_f
 
 
-def _open_tokens_attention(o, res, tokens, stale, value, mask, keys, state, query, key, inv_tau, attend):
+def _open_tokens_attention(o, res, tokens, stale, value, mask, keys, state, query, key, attend):
     """One FPSA step for the open tokens only.
 
     ``o`` ``(B, T, H, d)`` head outputs, ``res`` ``(B, T, D)`` the residual stream, ``tokens`` ``(B, T)`` the tokens
@@ -545,7 +546,6 @@ def _open_tokens_attention(o, res, tokens, stale, value, mask, keys, state, quer
     z_pad = z_open.new_zeros(samples.numel(), width, z_open.shape[-1])
     z_pad[row, slot] = z_open
     q = query(z_pad)
-    q = q if inv_tau is None else q * inv_tau
     if mask is not None:
         mask = mask[samples] if mask.shape[0] > 1 else mask.expand(samples.numel(), *mask.shape[1:])
         if mask.shape[-2] > 1:  # per-query rows: take each packed query's own row (padding rows repeat row 0)
