@@ -137,8 +137,8 @@ def check_args(args):
 def sampler(args):
     """The STARS loop sampler (same draw on every rank for a step)."""
     finetune = args.model is not None
-    hi = args.max_loops or (16 if finetune else 4 * args.train_loops)
-    kw = {"min_loops": args.min_loops, "max_loops": hi, "seed": args.seed}
+    lo, hi = loop_range(args)
+    kw = {"min_loops": lo, "max_loops": hi, "seed": args.seed}
     if args.sampler == "lognormal":
         default_mu = 1.7 if finetune else math.log(args.train_loops)
         kw["mu"] = args.sampler_mu if args.sampler_mu is not None else default_mu
@@ -146,6 +146,18 @@ def sampler(args):
     elif args.sampler == "fixed":
         kw["loops"] = args.train_loops
     return loop_sampler(args.sampler, **kw)
+
+
+def loop_range(args):
+    """The smallest and largest loop count the STARS sampler draws."""
+    return args.min_loops, args.max_loops or (16 if args.model is not None else 4 * args.train_loops)
+
+
+def trained_loops(args, run):
+    """The loop counts a run trains with, recorded as ``config.trained_loops`` (Ouro's depth guard reads it)."""
+    if run == "baseline" or args.sampler == "fixed":
+        return [args.train_loops, args.train_loops]
+    return list(loop_range(args))
 
 
 def regularizer(args):
@@ -227,7 +239,8 @@ def train_addition(args, accelerator, tokenizer, run):
                         intermediate_size=4 * args.hidden_size, num_hidden_layers=args.num_layers,
                         num_attention_heads=args.num_heads, num_key_value_heads=args.num_heads,
                         max_position_embeddings=64, rope_theta=10000.0, initializer_range=args.init_std,
-                        total_ut_steps=args.train_loops, early_exit_threshold=None, exit_loss="last",
+                        total_ut_steps=args.train_loops, trained_loops=trained_loops(args, run),
+                        early_exit_threshold=None, exit_loss="last",
                         tie_word_embeddings=True, use_cache=True, pad_token_id=tokenizer.pad_token_id,
                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     model = OuroForCausalLM(config)
@@ -412,6 +425,7 @@ def finetune(args, accelerator):
     if accelerator.is_main_process:  # staged: a kill here leaves a folder that does not load, never a mix
         final = os.path.join(args.output_dir, "final")
         with staged_folder(final) as stage:
+            accelerator.unwrap_model(model).config.trained_loops = trained_loops(args, "stars")
             accelerator.unwrap_model(model).save_pretrained(stage)
             tokenizer.save_pretrained(stage)
         accelerator.print(f"saved {final}")

@@ -14,6 +14,21 @@ from .fp_registry import check_choice, check_number
 EXIT_LOSSES = ("expected_logits", "expected_loss", "last")
 
 
+def check_trained_loops(value):
+    """``trained_loops`` as ``[lo, hi]`` (``1 <= lo <= hi``), or None; one int ``k`` means ``[k, k]``."""
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value, value]
+    if not (isinstance(value, (list, tuple)) and len(value) == 2):
+        raise ValueError(f"trained_loops={value!r} is not allowed. Allowed values: None, a loop count k >= 1, or "
+                         "[lo, hi] with 1 <= lo <= hi.")
+    lo, hi = value
+    check_number(lo, "trained_loops[0]", low=1, integer=True)
+    check_number(hi, "trained_loops[1]", low=lo, integer=True)
+    return [int(lo), int(hi)]
+
+
 class OuroConfig(PretrainedConfig):
     r"""
     Args:
@@ -33,6 +48,13 @@ class OuroConfig(PretrainedConfig):
             cross-entropy of the exit-probability-weighted mixture of per-loop logits), ``"expected_loss"`` (paper
             stage I: ``sum_t p_t * CE_t - entropy_weight * H(p)``) or ``"last"`` (cross-entropy of the last loop).
         entropy_weight: beta of the entropy bonus in ``"expected_loss"``.
+        trained_loops: ``[lo, hi]`` (or one int ``k`` for ``[k, k]``), the loop counts the model was trained with
+            (not an upstream key; the recipes write it). ``None``: ``total_ut_steps`` is taken as the largest.
+        loop_guard_tol: depth guard (not an upstream key). When a call runs more loops than ``trained_loops`` allows
+            and the state is not settling past the trained depth (the mean relative change of the state from one loop
+            to the next grows, or stays above this tolerance), a ``LoopDepthWarning`` is emitted once per model: looped
+            models trained without a stability regulariser break when run deeper than trained (STARS). ``None``
+            disables the guard.
         pad_token_id, bos_token_id, eos_token_id: special tokens (the released configs set all three to 0; the
             ChatML tokenizer uses bos 1, eos 2 -- check the checkpoint's tokenizer).
 
@@ -84,6 +106,8 @@ class OuroConfig(PretrainedConfig):
         early_exit_step: int = None,
         exit_loss: str = "expected_logits",
         entropy_weight: float = 0.0,
+        trained_loops: list = None,
+        loop_guard_tol: float = 0.1,
         pad_token_id: int = None,
         bos_token_id: int = None,
         eos_token_id: int = None,
@@ -105,6 +129,9 @@ class OuroConfig(PretrainedConfig):
             check_number(early_exit_step, "early_exit_step", low=0, integer=True)
         check_choice(exit_loss, "exit_loss", EXIT_LOSSES)
         check_number(entropy_weight, "entropy_weight", low=0.0)
+        trained_loops = check_trained_loops(trained_loops)
+        if loop_guard_tol is not None:
+            check_number(loop_guard_tol, "loop_guard_tol", low=0.0)
         if use_sliding_window:
             raise ValueError("use_sliding_window=True is not supported: Ouro uses full attention in every layer.")
         self.vocab_size = vocab_size
@@ -129,10 +156,12 @@ class OuroConfig(PretrainedConfig):
         self.early_exit_step = early_exit_step
         self.exit_loss = exit_loss
         self.entropy_weight = entropy_weight
+        self.trained_loops = trained_loops
+        self.loop_guard_tol = loop_guard_tol
         self.pad_token_id, self.bos_token_id, self.eos_token_id = pad_token_id, bos_token_id, eos_token_id
         # Upstream's rope_theta / rope_scaling become transformers-5's rope_parameters (the base class converts them).
         super().__init__(tie_word_embeddings=tie_word_embeddings, rope_theta=rope_theta, rope_scaling=rope_scaling,
                          **kwargs)
 
 
-__all__ = ["EXIT_LOSSES", "OuroConfig"]
+__all__ = ["EXIT_LOSSES", "OuroConfig", "check_trained_loops"]

@@ -22,6 +22,7 @@ Differences from the upstream code: the loop count is read per call (``total_ut_
 an error instead of a warning and a random initialization.
 """
 
+import warnings
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Optional
@@ -50,6 +51,9 @@ class OuroModelOutput(ModelOutput):
         past_key_values: the cache (``L * T`` slots) when ``use_cache``.
         loop_hidden_states: the state after every loop, a tuple of ``T`` tensors ``(B, S, D)``.
         gate_logits: early-exit gate logits of every loop, ``(B, S, T)``.
+        loop_change: relative change of each sequence's state from one loop to the next, ``(B, T - 1)`` (float32 at
+            least): ``||h_t - h_{t-1}|| / ||h_{t-1}||`` over the sequence's tokens of this call (padding excluded).
+            A model that extrapolates in depth settles (the change shrinks towards 0); see ``config.loop_guard_tol``.
         loop_step: one loop as a function of the state (``h -> norm(layers(h))``, same mask and positions, no
             cache), for regularizers such as STARS' Jacobian penalty.
     """
@@ -61,6 +65,7 @@ class OuroModelOutput(ModelOutput):
     loop_step: Optional[Callable] = None
     hidden_states: Optional[tuple] = None
     attentions: Optional[tuple] = None
+    loop_change: Optional[torch.FloatTensor] = None
 
 
 @dataclass
@@ -70,7 +75,7 @@ class OuroCausalLMOutput(ModelOutput):
     Attributes:
         loss: training loss (``config.exit_loss``) when ``labels`` are given.
         logits: decoded logits: the exit-weighted mixture when training, else the loop chosen by the exit rule.
-        past_key_values, loop_hidden_states, gate_logits, loop_step: as in ``OuroModelOutput``.
+        past_key_values, loop_hidden_states, gate_logits, loop_step, loop_change: as in ``OuroModelOutput``.
         exit_pdf: exit distribution over loops per token, ``(B, S, T)`` (at least float32).
         loop_logits: logits of every loop (tuple of ``T``) when ``output_loop_logits=True``.
     """
@@ -85,6 +90,25 @@ class OuroCausalLMOutput(ModelOutput):
     loop_step: Optional[Callable] = None
     hidden_states: Optional[tuple] = None
     attentions: Optional[tuple] = None
+    loop_change: Optional[torch.FloatTensor] = None
+
+
+class LoopDepthWarning(UserWarning):
+    """A call ran more loops than the model was trained with, and its state is not settling."""
+
+
+def loop_change(states, attention_mask=None) -> Optional[torch.Tensor]:
+    """``(B, T - 1)`` relative change of each sequence's state between consecutive loops over its valid tokens (the
+    last ``S`` columns of a 2-d ``attention_mask``); None for one loop."""
+    if len(states) < 2:
+        return None
+    dtype = torch.promote_types(states[0].dtype, torch.float32)
+    h = torch.stack(states, dim=1).to(dtype)  # (B, T, S, D)
+    if attention_mask is not None and attention_mask.dim() == 2:
+        h = h * attention_mask[:, None, -h.shape[2]:, None].to(dtype)
+    diff = torch.linalg.vector_norm((h[:, 1:] - h[:, :-1]).flatten(2), dim=-1)
+    base = torch.linalg.vector_norm(h[:, :-1].flatten(2), dim=-1)
+    return diff / base.clamp_min(torch.finfo(dtype).tiny)
 
 
 def exit_distribution(gate_logits: torch.Tensor) -> torch.Tensor:
@@ -257,9 +281,35 @@ class OuroModel(OuroPreTrainedModel):
             states.append(hidden_states)
             gates.append(self.early_exit_gate(hidden_states))
         loop_step = partial(self.loop_step, attention_mask=attention_mask, position_ids=position_ids)
+        change = loop_change(states, attention_mask)
+        self._guard_depth(loops, change)
         return OuroModelOutput(last_hidden_state=hidden_states, **{CACHE_NAME: past_key_values},
                                loop_hidden_states=tuple(states), gate_logits=torch.cat(gates, dim=-1),
-                               loop_step=loop_step)
+                               loop_step=loop_step, loop_change=change)
+
+    def _guard_depth(self, loops: int, change: Optional[torch.Tensor]) -> None:
+        """Warn once (``LoopDepthWarning``) when this call runs past the trained loop counts and the batch's mean
+        change per loop grows (the last loop changes the state more than the last trained loop did) or stays above
+        ``config.loop_guard_tol`` past the trained depth."""
+        tol = getattr(self.config, "loop_guard_tol", None)
+        trained = getattr(self.config, "trained_loops", None)
+        deepest = trained[1] if trained else self.config.total_ut_steps
+        if tol is None or change is None or loops <= deepest or getattr(self, "_depth_warned", False):
+            return
+        if self.training or torch.compiler.is_compiling():
+            return
+        mean = change.mean(0)  # (T - 1,): mean[j] is the change into loop j + 2 (1-based) from loop j + 1
+        past = mean[deepest - 1:]  # the changes into the loops past the trained depth
+        grows = deepest >= 2 and bool(mean[-1] > mean[deepest - 2])  # the last loop moves more than the trained last
+        if grows or bool((past > tol).any()):
+            self._depth_warned = True
+            trace = " ".join(f"{v:.3g}" for v in mean.tolist())
+            warnings.warn(
+                f"{type(self).__name__} ran total_ut_steps={loops} loops, past the {deepest} it was trained with "
+                f"(config.trained_loops={trained}), and its state is not settling: the mean relative change per loop "
+                f"is [{trace}] ({'it grows' if grows else f'above loop_guard_tol={tol:g}'} past loop {deepest}). "
+                "Outputs past the trained depth are likely unreliable; a model trained with STARS settles instead. "
+                "Set config.loop_guard_tol=None to silence this check.", LoopDepthWarning, stacklevel=3)
 
 
 class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
@@ -348,7 +398,7 @@ class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
                                   loop_hidden_states=out.loop_hidden_states, gate_logits=out.gate_logits,
                                   exit_pdf=pdf, loop_logits=tuple(loop_logits) if output_loop_logits else None,
                                   loop_step=out.loop_step, hidden_states=out.hidden_states,
-                                  attentions=out.attentions)
+                                  attentions=out.attentions, loop_change=out.loop_change)
 
     def _expected_loss(self, loop_logits, pdf, labels):
         """Paper stage I: mean over target tokens of ``sum_t p_t * CE_t - entropy_weight * H(p)``."""
@@ -361,5 +411,5 @@ class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
         return (per_token * valid).sum() / valid.sum().clamp_min(1)
 
 
-__all__ = ["OuroCausalLMOutput", "OuroForCausalLM", "OuroModel", "OuroModelOutput", "OuroPreTrainedModel",
-           "exit_distribution"]
+__all__ = ["LoopDepthWarning", "OuroCausalLMOutput", "OuroForCausalLM", "OuroModel", "OuroModelOutput",
+           "OuroPreTrainedModel", "exit_distribution", "loop_change"]

@@ -31,6 +31,9 @@ def test_addition_demo_tiny(tmp_path):
     assert (out / "accuracy_vs_loops.png").stat().st_size > 0
     config = json.loads((out / "stars" / "config.json").read_text())
     assert config["model_type"] == "ouro" and config["auto_map"]["AutoModelForCausalLM"].startswith("modeling_ouro.")
+    # the depth guard's record: STARS samples 1 .. 4 x train_loops loops, the baseline trains with train_loops
+    assert config["trained_loops"] == [1, 16]
+    assert json.loads((out / "baseline" / "config.json").read_text())["trained_loops"] == [4, 4]
     assert {"modeling_ouro.py", "configuration_ouro.py", "fp_registry.py", "tokenizer.json"} <= set(
         os.listdir(out / "stars"))
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -73,7 +76,7 @@ def test_finetune_with_accumulation_and_resume(pretrained, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step 2 lm_loss" in proc.stderr and "jsrr" in proc.stderr and "loops" in proc.stderr
     assert sorted(os.listdir(out / "checkpoints")) == ["step_1", "step_2"]  # 8 rows / (2 x 2) per step
-    assert (out / "final" / "config.json").exists()
+    assert json.loads((out / "final" / "config.json").read_text())["trained_loops"] == [1, 16]
     # resume from the first checkpoint: continues at step 2 and finishes the same schedule
     proc = _run(_finetune_args(pretrained, out) + ["--resume_from_checkpoint", str(out / "checkpoints" / "step_1")],
                 tmp_path)

@@ -341,3 +341,98 @@ def test_loop_step_is_one_loop():
         out = model(ids, attention_mask=mask)
         nxt = out.loop_step(out.loop_hidden_states[0])
     torch.testing.assert_close(nxt[mask.bool()], out.loop_hidden_states[1][mask.bool()])
+
+
+# ---- depth guard (issue 16, section 2) --------------------------------------------------------------------------
+def test_loop_change_is_the_relative_change_of_each_sequence_between_loops_float64():
+    torch.manual_seed(0)
+    model = OuroForCausalLM(OuroConfig(**TINY)).double().eval()
+    ids = torch.randint(1, 99, (2, 5), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding: excluded from the change
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, total_ut_steps=4)
+    assert out.loop_change.shape == (2, 3) and out.loop_change.dtype == torch.float64
+    hs = out.loop_hidden_states
+    for b in range(2):
+        valid = mask[b].bool()
+        for t in range(1, 4):
+            expected = (hs[t][b, valid] - hs[t - 1][b, valid]).norm() / hs[t - 1][b, valid].norm()
+            torch.testing.assert_close(out.loop_change[b, t - 1], expected, rtol=1e-12, atol=1e-15)
+    with torch.no_grad():
+        assert model(ids, total_ut_steps=1).loop_change is None
+
+
+def _settling_model(**config):
+    """A model whose loop is idempotent (the layers add nothing, the final RMS norm is a projection): it settles."""
+    torch.manual_seed(0)
+    model = OuroForCausalLM(OuroConfig(**{**TINY, **config})).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return model
+
+
+def _depth_warnings(model, ids, **kw):
+    import warnings
+
+    from hf_fixedpoint.modeling.ouro.modeling_ouro import LoopDepthWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            model(ids, **kw)
+    return [w for w in caught if issubclass(w.category, LoopDepthWarning)]
+
+
+def test_running_past_the_trained_depth_warns_once_when_the_state_does_not_settle():
+    ids = torch.randint(1, 99, (2, 6), generator=torch.Generator().manual_seed(4))
+    torch.manual_seed(0)
+    model = OuroForCausalLM(OuroConfig(**TINY, trained_loops=[2, 3], loop_guard_tol=1e-3)).eval()
+    assert not _depth_warnings(model, ids, total_ut_steps=3)  # inside the trained range
+    torch.manual_seed(0)
+    quiet = OuroForCausalLM(OuroConfig(**TINY, trained_loops=[2, 3], loop_guard_tol=None)).eval()
+    with torch.no_grad():
+        change = quiet(ids, total_ut_steps=6).loop_change.mean(0)
+    assert (change[2:] > 1e-3).any()  # a random model keeps moving
+    caught = _depth_warnings(model, ids, total_ut_steps=6)
+    assert len(caught) == 1 and "total_ut_steps=6" in str(caught[0].message) and "trained_loops=[2, 3]" in str(
+        caught[0].message)
+    assert not _depth_warnings(model, ids, total_ut_steps=6)  # once per model
+    assert not _depth_warnings(quiet, ids, total_ut_steps=6)
+    # generate warns as well (its forward calls)
+    fresh = OuroForCausalLM(OuroConfig(**TINY, trained_loops=3, loop_guard_tol=1e-3)).eval()
+    import warnings
+
+    from hf_fixedpoint.modeling.ouro.modeling_ouro import LoopDepthWarning
+
+    with pytest.warns(LoopDepthWarning, match="past the 3 it was trained with"):
+        fresh.generate(ids, max_new_tokens=2, do_sample=False, total_ut_steps=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LoopDepthWarning)
+        fresh.generate(ids, max_new_tokens=2, do_sample=False, total_ut_steps=5)  # already warned
+
+
+def test_a_settling_model_runs_deeper_than_trained_without_a_warning():
+    ids = torch.randint(1, 99, (2, 6), generator=torch.Generator().manual_seed(4))
+    model = _settling_model(trained_loops=[2, 3])
+    with torch.no_grad():
+        change = model(ids, total_ut_steps=8).loop_change
+    assert change[:, 1:].max() < 1e-5  # after the first loop the state no longer moves
+    assert not _depth_warnings(model, ids, total_ut_steps=8)
+    # without a record, total_ut_steps (3) is the trained depth
+    assert model.config.total_ut_steps == 3 and not _depth_warnings(_settling_model(), ids, total_ut_steps=8)
+
+
+@pytest.mark.parametrize("bad", [0, [0, 3], [4, 2], [1.5, 3], "4", [1, 2, 3], True])
+def test_config_rejects_bad_trained_loops(bad):
+    with pytest.raises(ValueError, match="trained_loops"):
+        OuroConfig(**TINY, trained_loops=bad)
+
+
+def test_config_rejects_bad_loop_guard_tol(tmp_path):
+    with pytest.raises(ValueError, match=r"loop_guard_tol=-0.1 is out of range"):
+        OuroConfig(**TINY, loop_guard_tol=-0.1)
+    OuroConfig(**TINY, trained_loops=4).save_pretrained(tmp_path)
+    assert OuroConfig.from_pretrained(tmp_path).trained_loops == [4, 4]
