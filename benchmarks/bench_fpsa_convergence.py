@@ -167,14 +167,66 @@ def run_rid(knobs, args, seed):
 
 # ---------------------------------------------------------------------------------------------------- ViT
 def run_vit(knobs, args, seed):
-    from hf_fixedpoint.modeling.fpsa_vit import FPSAViTConfig, FPSAViTForImageClassification
+    from hf_fixedpoint.modeling.fpsa_vit import FPSAViTForImageClassification
     from recipes.fpsa_vit import image_collate, load_digits_split
 
     (x_train, y_train), (x_test, y_test) = load_digits_split(0.2, 0)
     collate = image_collate(8, 1)
+    if args.checkpoint:  # an export of recipes/fpsa_vit.py (its default split: seed 0)
+        model = FPSAViTForImageClassification.from_pretrained(args.checkpoint)
+        test = [collate(list(zip(x_test[i:i + 128], y_test[i:i + 128]))) for i in range(0, len(x_test), 128)]
+        return {"FPSA-ViT (recipe export)": profile(model, test, argmax_score)}
+    shape = dict(image_size=8, patch_size=2, num_channels=1)
+    return vit_comparison(knobs, seed, (x_train, y_train), (x_test, y_test), collate, shape, args.vit_epochs,
+                          args.log_every)
+
+
+def load_cifar10_test_images(path, n_test, seed):
+    """The CIFAR-10 test set as BIG-bench ships it (``cifar10_classification/base64/task.json`` of the ``bigbench``
+    1.0.0 sdist on PyPI: 10,000 base64 PNGs, 1,000 a class), normalised per channel and split at random into
+    ``(10000 - n_test)`` training and ``n_test`` test images: ``((x, y), (x, y))``, ``x`` of shape (N, 3, 32, 32)."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    with open(path) as fh:
+        examples = json.load(fh)["examples"]
+    names = sorted({k for e in examples for k in e["target_scores"]})
+    images = np.stack([np.asarray(Image.open(io.BytesIO(base64.b64decode(e["input"].strip().split()[0])))
+                                  .convert("RGB")) for e in examples])
+    x = torch.tensor(images, dtype=torch.float32).permute(0, 3, 1, 2) / 255.0
+    x = (x - x.mean((0, 2, 3), keepdim=True)) / x.std((0, 2, 3), keepdim=True)
+    y = torch.tensor([names.index(max(e["target_scores"], key=e["target_scores"].get)) for e in examples])
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+    test, train = perm[:n_test], perm[n_test:]
+    return (x[train], y[train]), (x[test], y[test])
+
+
+def run_cifar(knobs, args, seed):
+    if not args.cifar_json:
+        raise ValueError("--tasks cifar needs --cifar_json: the bigbench 1.0.0 sdist's "
+                         "bigbench/benchmark_tasks/cifar10_classification/base64/task.json")
+    (x_train, y_train), (x_test, y_test) = load_cifar10_test_images(args.cifar_json, args.cifar_test, 0)
+
+    def collate(items):
+        x, y = zip(*items)
+        return {"pixel_values": torch.stack(x), "labels": torch.stack(y)}
+
+    shape = dict(image_size=32, patch_size=4, num_channels=3)
+    return vit_comparison(knobs, seed, (x_train, y_train), (x_test, y_test), collate, shape, args.cifar_epochs,
+                          args.log_every)
+
+
+def vit_comparison(knobs, seed, train_xy, test_xy, collate, shape, epochs, log_every):
+    """FPSA-ViT against the same model with plain attention (``fp_max_iter=1``) at matched parameters and steps, and
+    at matched training time (more steps, same schedule shape), with the recipe's model and optimiser."""
+    from hf_fixedpoint.modeling.fpsa_vit import FPSAViTConfig, FPSAViTForImageClassification
+
+    (x_train, y_train), (x_test, y_test) = train_xy, test_xy
     test = [collate(list(zip(x_test[i:i + 128], y_test[i:i + 128]))) for i in range(0, len(x_test), 128)]
-    steps_per_epoch = math.ceil(len(x_train) / 64)
-    steps = int(args.vit_epochs * steps_per_epoch)
+    steps = int(epochs * math.ceil(len(x_train) / 64))
     g = torch.Generator().manual_seed(seed)
     order = []
 
@@ -185,17 +237,14 @@ def run_vit(knobs, args, seed):
         return collate(list(zip(x_train[idx], y_train[idx])))
 
     def train(extra, n_steps):
-        config = FPSAViTConfig(image_size=8, patch_size=2, num_channels=1, hidden_size=64, num_hidden_layers=2,
-                               num_attention_heads=4, intermediate_size=128, num_labels=10, **extra)
+        config = FPSAViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                               num_labels=10, **shape, **extra)
         torch.manual_seed(seed)
         model = FPSAViTForImageClassification(config)
         order.clear()
         g.manual_seed(seed)
-        return model, fit(model, batch_fn, n_steps, lr=2e-3, log_every=args.log_every)[0]
+        return model, fit(model, batch_fn, n_steps, lr=2e-3, log_every=log_every)[0]
 
-    if args.checkpoint:  # an export of recipes/fpsa_vit.py (its default split: seed 0)
-        model = FPSAViTForImageClassification.from_pretrained(args.checkpoint)
-        return {"FPSA-ViT (recipe export)": profile(model, test, argmax_score)}
     rows = {}
     vit, vit_seconds = train({"fp_max_iter": 1}, steps)
     rows["ViT"] = {"seconds": vit_seconds, "accuracy": run_eval(vit, test, ONE_STEP, argmax_score)[0]}
@@ -241,10 +290,10 @@ def run_glue(args):
     return {"FPSA-BERT (MiniLM, SST-2)": row}
 
 
-TASKS = {"rid": run_rid, "vit": run_vit}
+TASKS = {"rid": run_rid, "vit": run_vit, "cifar": run_cifar}
 # The FPSA model's knobs unless --set changes them: the Jacobian penalty weights of docs/fpsa.md ("Convergence"), as
 # recipes/fpsa_vit.py uses for ViT.
-TASK_KNOBS = {"rid": {"fpsa_jac_weight": 3.0}, "vit": {"fpsa_jac_weight": 30.0}}
+TASK_KNOBS = {"rid": {"fpsa_jac_weight": 3.0}, "vit": {"fpsa_jac_weight": 30.0}, "cifar": {"fpsa_jac_weight": 30.0}}
 
 
 def meets_target(row) -> bool:
@@ -272,13 +321,17 @@ def fmt(v):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tasks", nargs="+", default=["rid", "vit"], choices=["rid", "vit", "glue"])
+    p.add_argument("--tasks", nargs="+", default=["rid", "vit"], choices=["rid", "vit", "cifar", "glue"])
     p.add_argument("--set", action="append", default=[], help="config knob of the FPSA model, key=value")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--rid_steps", type=int, default=4000)
     p.add_argument("--rid_max_distractors", type=int, default=16)
     p.add_argument("--rid_symbols", type=int, default=16)
     p.add_argument("--vit_epochs", type=float, default=15.0)
+    p.add_argument("--cifar_json", default=None, help="cifar: the bigbench sdist's cifar10_classification/base64/"
+                                                           "task.json")
+    p.add_argument("--cifar_test", type=int, default=2000, help="cifar: held-out images (the rest train)")
+    p.add_argument("--cifar_epochs", type=float, default=5.0)
     p.add_argument("--checkpoint", default=None, help="glue / vit: profile this fpsa_glue / fpsa_vit export "
                                                           "instead of training")
     p.add_argument("--glue_file", default="recipes/data/glue_sst2_tiny/validation.jsonl")
