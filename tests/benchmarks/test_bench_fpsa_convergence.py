@@ -56,3 +56,44 @@ def test_profile_counts_and_target():
     assert meets_target({"median": 6, "p90": 10, "cap_hit": 0.01})
     assert not meets_target({"median": 6, "p90": 11, "cap_hit": 0.0})
     assert parse_set(["a=1", "b=x", 'c={"d": 0.5}']) == {"a": 1, "b": "x", "c": {"d": 0.5}}
+
+
+def _fake_cifar_task(path, n=30):
+    """A task.json laid out like BIG-bench's cifar10_classification/base64 (base64 PNG + target_scores)."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    names = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+    rng = np.random.default_rng(0)
+    examples = []
+    for i in range(n):
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(buf, format="PNG")
+        scores = {name: int(j == i % 10) for j, name in enumerate(names)}
+        examples.append({"input": base64.b64encode(buf.getvalue()).decode() + "\n", "target_scores": scores})
+    path.write_text(json.dumps({"examples": examples}))
+    return names
+
+
+def test_cifar_loader_and_smoke(tmp_path):
+    import pytest
+
+    from benchmarks.bench_fpsa_convergence import load_cifar10_test_images
+
+    task = tmp_path / "task.json"
+    names = _fake_cifar_task(task)
+    (x_train, y_train), (x_test, y_test) = load_cifar10_test_images(task, 10, 0)
+    assert x_train.shape == (20, 3, 32, 32) and x_test.shape == (10, 3, 32, 32)
+    assert sorted(torch.cat([y_train, y_test]).tolist()) == sorted(i % 10 for i in range(30))  # labels by class name
+    assert names == sorted(names)
+    x = torch.cat([x_train, x_test])
+    torch.testing.assert_close(x.mean((0, 2, 3)), torch.zeros(3), atol=1e-5, rtol=0)  # normalised per channel
+    results = main(["--tasks", "cifar", "--cifar_json", str(task), "--cifar_test", "10", "--cifar_epochs", "1",
+                    "--set", "fp_max_iter=3"])
+    rows = results["cifar/seed0"]
+    assert set(rows) == {"ViT", "FPSA-ViT", "ViT (matched time)"} and 1 <= rows["FPSA-ViT"]["median"] <= 100
+    with pytest.raises(ValueError, match="--cifar_json"):
+        main(["--tasks", "cifar"])
