@@ -84,6 +84,7 @@ def test_glue_trains_logs_iterations_resumes_and_exports(tiny_bert, tmp_path, mo
     # Export: a self-contained FPSA-BERT that loads as remote code and classifies like the trained model.
     config = json.loads((full / "config.json").read_text())
     assert config["model_type"] == "fpsa_bert" and config["fp_max_iter"] == 3
+    assert (config["fpsa_jac_norm"], config["fpsa_jac_weight"]) == ("spectral", 10.0)  # the recipe's penalty
     assert config["auto_map"]["AutoModelForSequenceClassification"].startswith("modeling_fpsa_bert.")
     model = AutoModelForSequenceClassification.from_pretrained(full, trust_remote_code=True).eval()
     assert model(input_ids=torch.tensor([[2, 10, 11, 3]])).logits.shape == (1, 2)
@@ -193,3 +194,16 @@ def test_merge_fpsa_stats_drops_padding_across_batches():
     summary = FPSAStats.merge([s1, s2, None]).summary()
     assert summary["fpsa_iter_mean"] == 2.5 and summary["fpsa_iter_max"] == 4.0
     assert summary["fpsa_cap_hit_rate"] == 0.25  # one of the four real entries ran to the cap unconverged
+
+
+def test_glue_epochs_default_to_more_passes_over_the_shipped_tiny_files():
+    from transformers import HfArgumentParser
+
+    def parsed(*flags):
+        (args,) = HfArgumentParser(fpsa_glue.GlueArgs).parse_args_into_dataclasses(list(flags))
+        args.resolve_epochs()
+        return args.num_train_epochs
+
+    assert parsed() == fpsa_glue.SHIPPED_DATA_EPOCHS == 20.0
+    assert parsed("--train_file", "t.jsonl") == 3.0 and parsed("--dataset_name", "nyu-mll/glue") == 3.0
+    assert parsed("--num_train_epochs", "2") == 2.0
