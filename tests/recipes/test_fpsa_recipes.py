@@ -192,7 +192,8 @@ def test_vit_trains_resumes_and_exports(tmp_path, monkeypatch):
     pixels = np.random.default_rng(0).integers(0, 256, (3, 8, 8), dtype=np.uint8)
     images = [Image.fromarray(p, mode="L") for p in pixels]
     processed = AutoImageProcessor.from_pretrained(out)(images, return_tensors="pt")["pixel_values"]
-    collated = fpsa_vit.image_collate(8, 3)([(torch.tensor(p / 255, dtype=torch.float32)[None], 0) for p in pixels])
+    collated = fpsa_vit.image_collate(8, 3)([(torch.tensor(p / 255, dtype=torch.float32)[None], torch.tensor(0))
+                                             for p in pixels])
     torch.testing.assert_close(processed, collated["pixel_values"], atol=1e-6, rtol=0)
     predictions = pipeline("image-classification", model=str(out), trust_remote_code=True)(images, top_k=1)
     with torch.no_grad():
