@@ -192,12 +192,12 @@ class OuroModel(OuroPreTrainedModel):
     def _prepare_cache(self, cache: Cache, loops: int) -> None:
         """Make room for one slot per (loop, layer); refuse a cache filled with another loop count."""
         slots = loops * self.config.num_hidden_layers
+        if len(cache.layers) == slots:  # the decoding steps: no look at the (for a static cache: tensor) length
+            return
         if cache.get_seq_length() > 0:
-            if len(cache.layers) != slots:
-                raise ValueError(
-                    f"The cache holds {len(cache.layers)} (loop, layer) slots but total_ut_steps={loops} needs "
-                    f"{slots}: keep total_ut_steps fixed while reusing a cache.")
-        elif cache.layer_class_to_replicate is None and len(cache.layers) < slots:
+            raise ValueError(f"The cache holds {len(cache.layers)} (loop, layer) slots but total_ut_steps={loops} "
+                             f"needs {slots}: keep total_ut_steps fixed while reusing a cache.")
+        if cache.layer_class_to_replicate is None and len(cache.layers) < slots:
             # A cache built from the config (e.g. by generate) has one slot per layer only; a static one
             # (cache_implementation="static", what compiled generation uses) gets static slots of its length.
             first = cache.layers[0]

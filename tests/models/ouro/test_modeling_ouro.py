@@ -340,6 +340,21 @@ def test_static_cache_generates_the_dynamic_cache_tokens(beams):
         assert len(cache.layers) == 2 * 3 and all(isinstance(layer, StaticLayer) for layer in cache.layers)
 
 
+def test_static_decode_step_traces_as_one_graph():
+    """What compiled generation compiles: a decoding step with a filled static cache, one graph for all loops (the
+    cache check once branched on the static cache's tensor length: three graph breaks)."""
+    torch.manual_seed(0)
+    model = OuroForCausalLM(OuroConfig(**TINY)).eval()
+    ids = torch.randint(1, 99, (2, 6))
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+        explained = torch._dynamo.explain(model)(ids[:, -1:], past_key_values=cache, use_cache=True,
+                                                 position_ids=torch.full((2, 1), 6))
+    torch._dynamo.reset()
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
 def test_cache_has_one_slot_per_loop_and_layer():
     torch.manual_seed(0)
     model = OuroForCausalLM(OuroConfig(**TINY)).eval()
