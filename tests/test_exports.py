@@ -137,6 +137,7 @@ def lm_checks(config_class, models, root):
     model = lm_class(tester.get_config(vocab_size=len(tok), pad_token_id=tok.pad_token_id,
                                        eos_token_id=tok.eos_token_id)).eval()
     folder = save(model, root / "lm", tok)
+    assert (root / "lm" / "generation_config.json").is_file()  # the special tokens generate needs
     kwargs = {"max_new_tokens": 4, "do_sample": False}
     want = plain(pipeline("text-generation", model=model, tokenizer=tok)(PROMPTS, **kwargs))
     checks = [{"kind": "pipeline", "task": "text-generation", "dir": folder, "inputs": PROMPTS, "kwargs": kwargs,
@@ -259,3 +260,14 @@ def test_export_works_without_the_library(report, family):
                 assert_same(got["output"], check["want"])
         if check["kind"] == "device_map":
             assert got["device"] == "cpu" and max(got["diffs"].values()) <= 1e-5, got
+
+
+def test_complete_auto_map_keeps_entries_and_the_hub_prefix():
+    from hf_fixedpoint.core.fp_registry import complete_auto_map
+
+    family = {"AutoConfig": "configuration_x.XConfig", "AutoModel": "modeling_x.XModel",
+              "AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    assert complete_auto_map(None, family) == family
+    # A config read from the Hub: transformers prefixed its entries with the repository; added ones get the prefix.
+    hub_map = {"AutoConfig": "me/x--configuration_x.XConfig", "AutoModelForCausalLM": "me/x--modeling_x.Custom"}
+    assert complete_auto_map(hub_map, family) == {**hub_map, "AutoModel": "me/x--modeling_x.XModel"}
