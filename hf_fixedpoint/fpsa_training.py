@@ -235,11 +235,12 @@ def log_step(accelerator, bar, step, losses, stats, scheduler, t0) -> dict:
     return record
 
 
-def finish(args, accelerator, model, metrics: dict, history: list, tokenizer=None) -> None:
+def finish(args, accelerator, model, metrics: dict, history: list, processor=None) -> None:
     """End of a run: print the evaluation, write ``metrics.json`` (with the training log) and export the model.
 
     The export (``hf_fixedpoint.hub.export``) folds spectral-norm parametrizations into plain weights, writes the
-    modeling code and vendored core next to them and checks that the folder loads as remote code.
+    modeling code and vendored core next to them and checks that the folder loads as remote code. ``processor`` (the
+    tokenizer or image processor the evaluation used) is saved with it, so the task's ``pipeline`` runs on the folder.
     """
     accelerator.print("eval " + " ".join(f"{k} {v:.3g}" for k, v in metrics.items()))
     accelerator.print("metrics: " + json.dumps(metrics))
@@ -247,8 +248,8 @@ def finish(args, accelerator, model, metrics: dict, history: list, tokenizer=Non
         # Staged: a kill during the export leaves a folder that does not load, never one that half loads.
         with staged_folder(args.output_dir) as stage:
             export(model, stage)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(stage)
+            if processor is not None:
+                processor.save_pretrained(stage)
             with open(os.path.join(stage, "metrics.json"), "w") as fh:
                 json.dump({"eval": metrics, "train_log": history}, fh, indent=2)
         accelerator.print(f"exported to {args.output_dir}")

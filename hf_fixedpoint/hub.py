@@ -380,36 +380,54 @@ def model_card(model, *, model_id, base_model=None, datasets=None, eval_results=
 _make_model_card = model_card  # push_to_hub's `model_card` argument shadows the function
 
 
+# A recipe's output_dir holds the export and, beside it, what only resuming the training needs.
+TRAINING_STATE = ["checkpoints/*", ".staging/*"]
+
+
 def push_to_hub(model, repo_id, *, tokenizer=None, model_card=None, commit_message="Upload model with hf-fixedpoint",
                 private=None, token=None, revision=None):
-    """``export`` the model (merge, fold, verify) into a temporary folder, then upload it to ``repo_id``.
+    """Upload a model or an export folder to ``repo_id``.
 
-    ``model_card`` defaults to ``model_card(model, model_id=repo_id)``; ``tokenizer`` is saved next to the model.
-    ``revision`` names a branch (created if missing). Returns the ``huggingface_hub.CommitInfo`` of the upload.
+    ``model`` is a model, exported (merged, folded, verified) into a temporary folder first, or the folder of an
+    export (a recipe's ``output_dir``): verified, then uploaded without its training state (``TRAINING_STATE``:
+    the resumable ``checkpoints/`` with optimizer and RNG states, a half-written ``.staging/``).
+    ``model_card`` defaults to ``model_card(model, model_id=repo_id)`` for a model (a folder keeps its README.md);
+    ``tokenizer`` (or image processor) is saved next to an exported model. ``revision`` names a branch (created if
+    missing). Returns the ``huggingface_hub.CommitInfo`` of the upload.
     """
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import OfflineModeIsEnabled
-
+    if isinstance(model, (str, os.PathLike)):
+        if tokenizer is not None or model_card is not None:
+            raise ValueError("tokenizer= and model_card= are for a model being exported; an export folder holds its "
+                             "own tokenizer or processor (and README.md, if any).")
+        verify_self_contained(model)
+        return _upload(Path(model), repo_id, commit_message, private, token, revision, TRAINING_STATE)
     card = model_card if model_card is not None else _make_model_card(model, model_id=repo_id)
     with tempfile.TemporaryDirectory(prefix="hf_fixedpoint_push_") as tmp:
         folder = export(model, tmp, model_card=card)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
             verify_self_contained(folder)  # a custom tokenizer adds its own auto_map and code
-        api = HfApi(token=token)
-        try:
-            repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
-            if revision is not None:
-                api.create_branch(repo_id, branch=revision, exist_ok=True)
-            return api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message,
-                                     revision=revision)
-        except OfflineModeIsEnabled as err:
-            raise OfflineModeIsEnabled(
-                f"Cannot push to {repo_id!r}: the Hugging Face Hub client is in offline mode (HF_HUB_OFFLINE=1, or "
-                "TRANSFORMERS_OFFLINE=1). Unset HF_HUB_OFFLINE to upload, or save the checkpoint locally with "
-                f"hf_fixedpoint.hub.export(model, output_dir) and upload it later with `hf upload {repo_id} "
-                "output_dir`."
-            ) from err
+        return _upload(folder, repo_id, commit_message, private, token, revision, None)
 
 
-__all__ = ["export", "model_card", "push_to_hub", "verify_self_contained"]
+def _upload(folder, repo_id, commit_message, private, token, revision, ignore_patterns):
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    api = HfApi(token=token)
+    try:
+        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+        if revision is not None:
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        return api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message,
+                                 revision=revision, ignore_patterns=ignore_patterns)
+    except OfflineModeIsEnabled as err:
+        raise OfflineModeIsEnabled(
+            f"Cannot push to {repo_id!r}: the Hugging Face Hub client is in offline mode (HF_HUB_OFFLINE=1, or "
+            "TRANSFORMERS_OFFLINE=1). Unset HF_HUB_OFFLINE to upload, or save the checkpoint locally with "
+            f"hf_fixedpoint.hub.export(model, output_dir) and upload it later with "
+            f"hf_fixedpoint.hub.push_to_hub(output_dir, {repo_id!r})."
+        ) from err
+
+
+__all__ = ["TRAINING_STATE", "export", "model_card", "push_to_hub", "verify_self_contained"]

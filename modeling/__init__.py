@@ -6,16 +6,9 @@ folder imports only torch, transformers and its own sibling files -- never ``hf_
 loads with ``trust_remote_code=True`` where hf-fixedpoint is not installed.
 """
 
-from transformers import (
-    AutoConfig,
-    AutoModel,
-    AutoModelForCausalLM,
-    AutoModelForImageClassification,
-    AutoModelForMaskedLM,
-    AutoModelForQuestionAnswering,
-    AutoModelForSequenceClassification,
-    AutoModelForTokenClassification,
-)
+import importlib
+
+import transformers
 
 from .attractor_lm import AttractorConfig, AttractorForCausalLM, AttractorModel
 from .deq_lm import DEQLMConfig, DEQLMForCausalLM, DEQLMModel
@@ -35,30 +28,26 @@ from .self_mistral import SelfMistralConfig, SelfMistralForCausalLM, SelfMistral
 from .trm import TRMConfig, TRMForPuzzles, TRMModel
 from .urm import URMConfig, URMForPuzzles, URMModel
 
-# (config class, [(Auto class, model class), ...]) for every family.
-FAMILIES = [
-    (AttractorConfig, [(AutoModel, AttractorModel), (AutoModelForCausalLM, AttractorForCausalLM)]),
-    (DEQLMConfig, [(AutoModel, DEQLMModel), (AutoModelForCausalLM, DEQLMForCausalLM)]),
-    (OuroConfig, [(AutoModel, OuroModel), (AutoModelForCausalLM, OuroForCausalLM)]),
-    # Puzzle reasoners: per-cell prediction over the puzzle tokens, i.e. token classification.
-    (FPRMConfig, [(AutoModel, FPRMModel), (AutoModelForTokenClassification, FPRMForPuzzles)]),
-    (TRMConfig, [(AutoModel, TRMModel), (AutoModelForTokenClassification, TRMForPuzzles)]),
-    (URMConfig, [(AutoModel, URMModel), (AutoModelForTokenClassification, URMForPuzzles)]),
-    (FPSABertConfig, [(AutoModel, FPSABertModel), (AutoModelForMaskedLM, FPSABertForMaskedLM),
-                      (AutoModelForSequenceClassification, FPSABertForSequenceClassification),
-                      (AutoModelForTokenClassification, FPSABertForTokenClassification),
-                      (AutoModelForQuestionAnswering, FPSABertForQuestionAnswering)]),
-    (FPSAViTConfig, [(AutoModel, FPSAViTModel),
-                     (AutoModelForImageClassification, FPSAViTForImageClassification)]),
-    # Pretrained decoders retrofitted with causal FPSA.
-    (SelfLlamaConfig, [(AutoModel, SelfLlamaModel), (AutoModelForCausalLM, SelfLlamaForCausalLM)]),
-    (SelfMistralConfig, [(AutoModel, SelfMistralModel), (AutoModelForCausalLM, SelfMistralForCausalLM)]),
-]
+# Every family's config class. Its ``family_auto_map`` (the Auto classes it implements: base model and every head;
+# puzzle reasoners predict per cell, i.e. token classification) is the one list: it is written to every config.json
+# and drives the registration below.
+CONFIGS = [AttractorConfig, DEQLMConfig, OuroConfig, FPRMConfig, TRMConfig, URMConfig, FPSABertConfig, FPSAViTConfig,
+           SelfLlamaConfig, SelfMistralConfig]
+
+
+def _family(config_class):
+    """``(config class, [(Auto class, model class), ...])`` from the config's ``family_auto_map``."""
+    package = importlib.import_module(config_class.__module__.rpartition(".")[0])
+    return config_class, [(getattr(transformers, auto_class), getattr(package, ref.rpartition(".")[2]))
+                          for auto_class, ref in config_class.family_auto_map.items() if auto_class != "AutoConfig"]
+
+
+FAMILIES = [_family(config_class) for config_class in CONFIGS]
 
 
 def _register():
     for config_class, models in FAMILIES:
-        AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
+        transformers.AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
         config_class.register_for_auto_class()
         for auto_class, model_class in models:
             auto_class.register(config_class, model_class, exist_ok=True)

@@ -42,6 +42,14 @@ TASKS = {
     "qnli": (("question", "sentence"), 2, "validation"), "rte": (("sentence1", "sentence2"), 2, "validation"),
     "wnli": (("sentence1", "sentence2"), 2, "validation"),
 }
+# The class names of nyu-mll/glue's `label` column, for the export's id2label (pipeline outputs name the class); used
+# when the data files carry bare integers.
+LABEL_NAMES = {
+    "cola": ["unacceptable", "acceptable"], "sst2": ["negative", "positive"],
+    "mrpc": ["not_equivalent", "equivalent"], "qqp": ["not_duplicate", "duplicate"],
+    "mnli": ["entailment", "neutral", "contradiction"], "qnli": ["entailment", "not_entailment"],
+    "rte": ["entailment", "not_entailment"], "wnli": ["not_entailment", "entailment"],
+}
 
 
 SHIPPED_DATA_EPOCHS = 20.0  # the shipped 64-sentence files: 4 steps an epoch
@@ -91,6 +99,14 @@ def load_glue(args):
     return raw["train"], raw["validation"]
 
 
+def label_names(args, feature) -> dict:
+    """``id2label`` / ``label2id`` for the export: the data's class names (a ``ClassLabel`` column) or GLUE's."""
+    names = getattr(feature, "names", None) or LABEL_NAMES.get(args.task_name.partition("_")[0])
+    if not names:  # stsb: a regression score
+        return {}
+    return {"id2label": dict(enumerate(names)), "label2id": {name: i for i, name in enumerate(names)}}
+
+
 @torch.no_grad()
 def evaluate_glue(model, loader, accelerator, task_name):
     """GLUE metric of the task plus the iteration statistics over the whole validation set."""
@@ -123,6 +139,7 @@ def main():
 
     # Data: tokenize the (pair of) sentence column(s); dynamic padding per batch.
     train_set, val_set = args.limit(*load_glue(args))
+    raw_labels = train_set.features["label"]
     tokenizer = AutoTokenizer.from_pretrained(model_path)
 
     def tokenize(batch):
@@ -145,6 +162,7 @@ def main():
 
     # Model: the BERT checkpoint with every attention replaced by FPSA; a fresh classification head.
     model = FPSABertForSequenceClassification.from_pretrained(model_path, num_labels=num_labels,
+                                                               **label_names(args, raw_labels),
                                                                **fpsa_training.fp_overrides(args))
     model, history = fpsa_training.train(args, accelerator, model, train_loader)
 

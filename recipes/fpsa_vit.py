@@ -6,9 +6,12 @@
 
 Default data: scikit-learn's ``load_digits`` (1797 grey 8x8 images of the digits 0-9, shipped inside every
 scikit-learn wheel, so nothing is downloaded), split 80/20 stratified with a fixed seed. The images are fed as
-``pixel_values`` tensors (no image processor, no Pillow), upsampled bilinearly to ``--image_size`` and repeated over
-the model's channels. The default model is a tiny FPSA-ViT built from scratch (8x8 images, 2x2 patches, 2 layers of
-width 64) with FPSA-ViT's own solver settings (``fp_max_iter=16``, ``fp_tol=1e-3``, the masked implicit gradient) and
+``pixel_values`` tensors, upsampled bilinearly to ``--image_size`` and repeated over the model's channels. The export
+holds a ``ViTImageProcessor`` doing the same to 8-bit images (``image_processor``), so
+``pipeline("image-classification", model=output_dir, trust_remote_code=True)`` classifies digit images and names the
+digits. The default model is a tiny FPSA-ViT built from scratch (8x8 RGB images -- the grey digit on every channel,
+as the image pipelines hand every image over as RGB --, 2x2 patches, 2 layers of width 64) with FPSA-ViT's own solver
+settings (``fp_max_iter=16``, ``fp_tol=1e-3``, the masked implicit gradient) and
 the Jacobian penalty ``--fpsa_jac_weight 30``: without it the iterations of a from-scratch model stop converging
 during training and the masked implicit gradient then trains poorly (docs/fpsa_recipes.md has the measurements). With
 ``--model_name_or_path`` a ViT (or FPSA-ViT) checkpoint is loaded instead, its classifier resized to 10 classes.
@@ -23,7 +26,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
-from transformers import HfArgumentParser
+from transformers import HfArgumentParser, ViTImageProcessor
+from transformers.image_utils import PILImageResampling
 
 from hf_fixedpoint import fpsa_training
 from hf_fixedpoint.core.fp_fpsa import FPSAStats
@@ -76,15 +80,31 @@ def image_collate(image_size, num_channels):
     return collate
 
 
+def image_processor(config):
+    """The ``ViTImageProcessor`` that does to an 8-bit image (values 0..255, grey or RGB) what ``image_collate`` does
+    to a digit in [0, 1]: bilinear resize to the model's size, grey repeated over three channels for an RGB model,
+    then ``x / 255 * 2 - 1``. Exported with the model for ``pipeline("image-classification")``; the 17 grey levels of
+    the digits (0..16) become 8-bit pixels ``round(16 * v)`` -> at most 1/510 from what the evaluation sees."""
+    channels = config.num_channels
+    return ViTImageProcessor(do_resize=True, size={"height": config.image_size, "width": config.image_size},
+                             resample=PILImageResampling.BILINEAR, do_rescale=True, rescale_factor=1 / 255,
+                             do_normalize=True, image_mean=[0.5] * channels, image_std=[0.5] * channels,
+                             do_convert_rgb=channels == 3)
+
+
 def build_model(args):
-    """A tiny FPSA-ViT from scratch, or the given checkpoint with a fresh 10-class classifier."""
+    """A tiny FPSA-ViT from scratch, or the given checkpoint with a fresh 10-class classifier; the classes are named
+    after their digits. RGB input (the grey digit on every channel), because the image pipelines hand every image to
+    the processor as RGB."""
+    labels = {"id2label": {i: str(i) for i in range(10)}, "label2id": {str(i): i for i in range(10)}}
     if args.model_name_or_path:
         return FPSAViTForImageClassification.from_pretrained(
-            args.model_name_or_path, num_labels=10, ignore_mismatched_sizes=True, **fpsa_training.fp_overrides(args))
-    config = FPSAViTConfig(image_size=args.image_size, patch_size=args.patch_size, num_channels=1,
+            args.model_name_or_path, num_labels=10, ignore_mismatched_sizes=True, **labels,
+            **fpsa_training.fp_overrides(args))
+    config = FPSAViTConfig(image_size=args.image_size, patch_size=args.patch_size, num_channels=3,
                            hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
                            num_attention_heads=args.num_attention_heads, intermediate_size=2 * args.hidden_size,
-                           num_labels=10, **fpsa_training.fp_overrides(args))
+                           num_labels=10, **labels, **fpsa_training.fp_overrides(args))
     return FPSAViTForImageClassification(config)
 
 
@@ -120,7 +140,8 @@ def main():
                       f"model: {sum(p.numel() for p in model.parameters())} parameters")
 
     model, history = fpsa_training.train(args, accelerator, model, train_loader)
-    fpsa_training.finish(args, accelerator, model, evaluate_vit(model, test_loader, accelerator), history)
+    fpsa_training.finish(args, accelerator, model, evaluate_vit(model, test_loader, accelerator), history,
+                         image_processor(model.config))
 
 
 if __name__ == "__main__":

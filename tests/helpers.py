@@ -17,6 +17,17 @@ def train_bpe_tokenizer(texts, vocab_size: int) -> PreTrainedTokenizerFast:
                                    pad_token="<pad>", model_max_length=256)
 
 
+def family_tester(config_class):
+    """An instance of the family's tester class (``tests/models/<type>/test_modeling_<type>.py``): its tiny config
+    (``get_config(**overrides)``) and inputs (``prepare_inputs(config)``)."""
+    import importlib
+
+    name = config_class.model_type
+    module = importlib.import_module(f"tests.models.{name}.test_modeling_{name}")
+    return next(cls for cls in vars(module).values()
+                if getattr(cls, "config_class", None) is config_class and hasattr(cls, "prepare_inputs"))()
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Fault injection for the kill-and-resume tests of the recipes (in-process runs, ``monkeypatch.context()``).
 

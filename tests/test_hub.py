@@ -291,6 +291,26 @@ def test_push_to_hub_uploads_self_contained_folder():
     assert "model-index:" in uploaded["readme"]
 
 
+def test_push_to_hub_of_an_export_folder_leaves_the_training_state_out(saved_dir, tmp_path):
+    """A recipe's output_dir: the export plus resumable checkpoints (optimizer, RNG) and maybe a half-written stage."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    folder = Path(shutil.copytree(saved_dir, tmp_path / "run"))
+    for name in ("checkpoints/step_4/optimizer.bin", "checkpoints/step_4/model.safetensors", ".staging/config.json"):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text("x")
+    (folder / "metrics.json").write_text("{}")
+    sent = {}
+    with patch.object(HfApi, "create_repo", return_value=MagicMock(repo_id="user/run")), \
+            patch.object(HfApi, "upload_folder", side_effect=lambda **kw: sent.update(kw)):
+        hub.push_to_hub(folder, "user/run")
+    files = [str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()]
+    uploaded = set(filter_repo_objects(files, ignore_patterns=sent["ignore_patterns"]))  # what upload_folder keeps
+    assert uploaded == set(os.listdir(saved_dir)) | {"metrics.json"}
+    with pytest.raises(ValueError, match="tokenizer= and model_card= are for a model being exported"):
+        hub.push_to_hub(folder, "user/run", model_card="# card")
+
+
 def test_push_to_hub_offline_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)

@@ -5,7 +5,7 @@ to a fixed point, and the tied embedding decodes it."""
 from transformers import PretrainedConfig
 
 from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
-from .fp_registry import check_choice, check_number
+from .fp_registry import check_choice, check_number, complete_auto_map
 from .fp_settings import pop_fp_kwargs
 from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_problems)
@@ -60,6 +60,10 @@ class AttractorConfig(PretrainedConfig):
     """
 
     model_type = "attractor_lm"
+    # Every Auto class of the family: config.json gets them all whichever class saves (see complete_auto_map).
+    family_auto_map = {"AutoConfig": "configuration_attractor_lm.AttractorConfig",
+                       "AutoModel": "modeling_attractor_lm.AttractorModel",
+                       "AutoModelForCausalLM": "modeling_attractor_lm.AttractorForCausalLM"}
 
     def __init__(
         self,
@@ -134,6 +138,7 @@ class AttractorConfig(PretrainedConfig):
         self.num_hidden_layers = num_backbone_layers + num_attractor_layers
         self.rope_parameters = {"rope_type": "default", "rope_theta": rope_theta}
         self.use_cache = kwargs.pop("use_cache", True)
+        kwargs["auto_map"] = complete_auto_map(kwargs.get("auto_map"), self.family_auto_map)
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
 

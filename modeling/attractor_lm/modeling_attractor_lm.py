@@ -29,7 +29,15 @@ from transformers.utils import can_return_tuple
 
 from .configuration_attractor_lm import AttractorConfig
 from .fp_backward import fixed_point
-from .fp_compat import CACHE_NAME, attention_function, cache_field, create_causal_mask, init, pop_cache
+from .fp_compat import (
+    CACHE_NAME,
+    attention_function,
+    cache_field,
+    create_causal_mask,
+    init,
+    pop_cache,
+    require_dynamic_cache,
+)
 from .fp_registry import check_number
 from .fp_settings import fixed_point_kwargs
 from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
@@ -237,6 +245,9 @@ class AttractorModel(AttractorPreTrainedModel):
         **kwargs,
     ) -> AttractorModelOutput:
         past_key_values = pop_cache(past_key_values, kwargs)
+        require_dynamic_cache(past_key_values, "Attractor LM", "each new token's attractor iterates against the "
+                              "earlier tokens' cached keys/values read as tensors of exactly the cached length, which "
+                              "a preallocated static cache does not hold")
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds.")
         readout_iters = self.config.readout_iters if readout_iters is None else readout_iters

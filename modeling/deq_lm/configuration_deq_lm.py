@@ -4,7 +4,7 @@ weight-tied transformer block is solved to its fixed point (Bai et al., "Deep Eq
 from transformers import PretrainedConfig
 
 from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
-from .fp_registry import check_number  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_registry import check_number, complete_auto_map  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_settings import pop_fp_kwargs
 from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_problems)
@@ -30,6 +30,9 @@ class DEQLMConfig(PretrainedConfig):
     """
 
     model_type = "deq_lm"
+    # Every Auto class of the family: config.json gets them all whichever class saves (see complete_auto_map).
+    family_auto_map = {"AutoConfig": "configuration_deq_lm.DEQLMConfig", "AutoModel": "modeling_deq_lm.DEQLMModel",
+                       "AutoModelForCausalLM": "modeling_deq_lm.DEQLMForCausalLM"}
 
     def __init__(
         self,
@@ -63,6 +66,7 @@ class DEQLMConfig(PretrainedConfig):
         self.initializer_range = initializer_range
         self.num_hidden_layers = 1  # one weight-tied block (read by generation utilities)
         kwargs.setdefault("use_cache", False)  # no KV cache: each step re-solves the fixed point over the prefix
+        kwargs["auto_map"] = complete_auto_map(kwargs.get("auto_map"), self.family_auto_map)
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
 

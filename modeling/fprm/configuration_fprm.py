@@ -4,7 +4,7 @@ from transformers import PretrainedConfig
 
 from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_reasoning import CONV_KINDS, check_puzzle_config
-from .fp_registry import check_choice, check_number
+from .fp_registry import check_choice, check_number, complete_auto_map
 from .fp_settings import pop_fp_kwargs
 from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_problems)
@@ -56,6 +56,9 @@ class FPRMConfig(PretrainedConfig):
     """
 
     model_type = "fprm"
+    # Every Auto class of the family: config.json gets them all whichever class saves (see complete_auto_map).
+    family_auto_map = {"AutoConfig": "configuration_fprm.FPRMConfig", "AutoModel": "modeling_fprm.FPRMModel",
+                       "AutoModelForTokenClassification": "modeling_fprm.FPRMForPuzzles"}
 
     def __init__(
         self,
@@ -113,6 +116,7 @@ class FPRMConfig(PretrainedConfig):
         check_number(seed, "seed", integer=True)
         check_number(bptt_window, "bptt_window", low=1, integer=True)
         check_number(eval_step_decay, "eval_step_decay", low=0.0, high=1.0, low_open=True, high_open=True)
+        kwargs["auto_map"] = complete_auto_map(kwargs.get("auto_map"), self.family_auto_map)
         super().__init__(**kwargs)
 
 

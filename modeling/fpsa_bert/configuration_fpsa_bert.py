@@ -11,7 +11,7 @@ from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_pr
 from .fp_fpsa import FPSA_FP_DEFAULTS, check_heads, pop_fpsa_kwargs, retrofit_config_dict
 from .fp_halting import ACTAccumulator  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_jacobian import jacobian_frobenius  # noqa: F401  (see vendor.direct_import_problems)
-from .fp_registry import check_number  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_registry import check_number, complete_auto_map  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_settings import pop_fp_kwargs
 from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_problems)
@@ -39,10 +39,18 @@ class FPSABertConfig(BertConfig):
     """
 
     model_type = "fpsa_bert"
+    # Every Auto class of the family: config.json gets them all whichever class saves (see complete_auto_map).
+    family_auto_map = {"AutoConfig": "configuration_fpsa_bert.FPSABertConfig",
+                       "AutoModel": "modeling_fpsa_bert.FPSABertModel",
+                       "AutoModelForMaskedLM": "modeling_fpsa_bert.FPSABertForMaskedLM",
+                       "AutoModelForSequenceClassification": "modeling_fpsa_bert.FPSABertForSequenceClassification",
+                       "AutoModelForTokenClassification": "modeling_fpsa_bert.FPSABertForTokenClassification",
+                       "AutoModelForQuestionAnswering": "modeling_fpsa_bert.FPSABertForQuestionAnswering"}
 
     def __init__(self, **kwargs):
         for key, value in {**pop_fp_kwargs(kwargs, FPSA_FP_DEFAULTS), **pop_fpsa_kwargs(kwargs)}.items():
             setattr(self, key, value)
+        kwargs["auto_map"] = complete_auto_map(kwargs.get("auto_map"), self.family_auto_map)
         super().__init__(**kwargs)
         check_heads(self)
         if self.is_decoder or self.add_cross_attention:

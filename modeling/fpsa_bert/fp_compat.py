@@ -99,6 +99,19 @@ def attention_function(implementation, default):
     return default if implementation in (None, "eager") else ALL_ATTENTION_FUNCTIONS[implementation]
 
 
+def require_dynamic_cache(cache, family: str, reason: str) -> None:
+    """Refuse a cache other than a ``DynamicCache`` of ``DynamicLayer`` s (``StaticCache``, ``generate(...,
+    cache_implementation="static")``, an offloaded or quantized cache): a ``ValueError`` naming ``family``, the cache
+    it got and ``reason`` (why the family cannot use it), instead of a failure deep inside transformers."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    if cache is None:
+        return
+    if not isinstance(cache, DynamicCache) or not all(isinstance(layer, DynamicLayer) for layer in cache.layers):
+        raise ValueError(f"{family} needs a DynamicCache; got {type(cache).__name__}: {reason}. Use the default cache "
+                         "(generate(..., cache_implementation=None)) or past_key_values=DynamicCache().")
+
+
 def require_transformers(minimum: str, family: str, reason: str) -> None:
     """Raise ``ImportError`` naming the release ``family`` needs; call it where an API it uses is detected missing.
 
@@ -116,5 +129,6 @@ __all__ = [
     "create_causal_mask",
     "init",
     "pop_cache",
+    "require_dynamic_cache",
     "require_transformers",
 ]

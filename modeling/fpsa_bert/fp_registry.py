@@ -111,4 +111,21 @@ def check_keywords(kwargs: dict, allowed, argument: str, owner: str) -> None:
         )
 
 
-__all__ = ["Registry", "check_choice", "check_keywords", "check_number", "keyword_options"]
+def complete_auto_map(auto_map, family_auto_map: dict) -> dict:
+    """``auto_map`` (a config's, or None) with the entries of ``family_auto_map`` it lacks added.
+
+    A config passes ``complete_auto_map(kwargs.get("auto_map"), FAMILY_AUTO_MAP)`` on as its ``auto_map``, so
+    ``save_pretrained`` writes every Auto class of the family -- not only ``AutoConfig`` and the class that saved
+    (transformers' ``register_for_auto_class`` records one class each) -- and an export of any head also loads with
+    ``AutoModel`` and the sibling heads, as upstream remote-code repositories do. Entries already there win; added ones
+    take the ``repo--`` prefix transformers gave the existing ones when the config came from the Hub.
+    """
+    auto_map = dict(auto_map or {})
+    refs = [r for v in auto_map.values() for r in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(r, str)]
+    prefix = next((r.partition("--")[0] + "--" for r in refs if "--" in r), "")
+    for auto_class, ref in family_auto_map.items():
+        auto_map.setdefault(auto_class, prefix + ref)
+    return auto_map
+
+
+__all__ = ["Registry", "check_choice", "check_keywords", "check_number", "complete_auto_map", "keyword_options"]

@@ -10,7 +10,7 @@ from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_pr
 from .fp_fpsa import FPSA_FP_DEFAULTS, check_heads, pop_fpsa_kwargs, retrofit_config_dict
 from .fp_halting import ACTAccumulator  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_jacobian import jacobian_frobenius  # noqa: F401  (see vendor.direct_import_problems)
-from .fp_registry import check_number  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_registry import check_number, complete_auto_map  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_settings import pop_fp_kwargs
 from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_problems)
@@ -35,10 +35,15 @@ class FPSAViTConfig(ViTConfig):
     """
 
     model_type = "fpsa_vit"
+    # Every Auto class of the family: config.json gets them all whichever class saves (see complete_auto_map).
+    family_auto_map = {"AutoConfig": "configuration_fpsa_vit.FPSAViTConfig",
+                       "AutoModel": "modeling_fpsa_vit.FPSAViTModel",
+                       "AutoModelForImageClassification": "modeling_fpsa_vit.FPSAViTForImageClassification"}
 
     def __init__(self, **kwargs):
         for key, value in {**pop_fp_kwargs(kwargs, FPSA_FP_DEFAULTS), **pop_fpsa_kwargs(kwargs)}.items():
             setattr(self, key, value)
+        kwargs["auto_map"] = complete_auto_map(kwargs.get("auto_map"), self.family_auto_map)
         super().__init__(**kwargs)
         check_heads(self)
 

@@ -9,7 +9,7 @@ values (Ouro-1.4B: hidden 2048, 24 layers, 16 heads, intermediate 5632, vocab 49
 
 from transformers import PretrainedConfig
 
-from .fp_registry import check_choice, check_number
+from .fp_registry import check_choice, check_number, complete_auto_map
 
 EXIT_LOSSES = ("expected_logits", "expected_loss", "last")
 
@@ -64,6 +64,9 @@ class OuroConfig(PretrainedConfig):
     """
 
     model_type = "ouro"
+    # Every Auto class of the family: config.json gets them all whichever class saves (see complete_auto_map).
+    family_auto_map = {"AutoConfig": "configuration_ouro.OuroConfig", "AutoModel": "modeling_ouro.OuroModel",
+                       "AutoModelForCausalLM": "modeling_ouro.OuroForCausalLM"}
     keys_to_ignore_at_inference = ["past_key_values", "cache"]  # "cache": the output field from transformers 5.24
     # Read by transformers' Llama attention / MLP, which Ouro reuses: Ouro has no projection biases. Class
     # attributes, so they are not written to config.json (the released files do not have them).
@@ -159,6 +162,7 @@ class OuroConfig(PretrainedConfig):
         self.trained_loops = trained_loops
         self.loop_guard_tol = loop_guard_tol
         self.pad_token_id, self.bos_token_id, self.eos_token_id = pad_token_id, bos_token_id, eos_token_id
+        kwargs["auto_map"] = complete_auto_map(kwargs.get("auto_map"), self.family_auto_map)
         # Upstream's rope_theta / rope_scaling become transformers-5's rope_parameters (the base class converts them).
         super().__init__(tie_word_embeddings=tie_word_embeddings, rope_theta=rope_theta, rope_scaling=rope_scaling,
                          **kwargs)

@@ -15,7 +15,9 @@ on transformers >= 4.56):
   lambda_j)`` for ``t < T`` and ``p_T = prod_{j<T}(1 - lambda_j)``;
 * KV cache: loop ``t`` of layer ``l`` uses cache slot ``t * num_hidden_layers + l`` (``L * T`` slots), so loop ``t`` of
   a new token attends to loop-``t`` keys and values of the earlier tokens. A transformers ``DynamicCache`` is grown to
-  that many slots, which keeps left-padded batched generation exact (the upstream cache's mask sizes were wrong).
+  that many slots, which keeps left-padded batched generation exact (the upstream cache's mask sizes were wrong); a
+  ``StaticCache`` (``generate(..., cache_implementation="static")``, the cache of compiled generation) is grown to
+  that many static slots of its length, and generates the same tokens.
 
 Differences from the upstream code: the loop count is read per call (``total_ut_steps=``) instead of being frozen at
 ``__init__``; ``OuroModel`` returns an ``OuroModelOutput`` instead of a 3-tuple; a checkpoint with missing weights is
@@ -31,14 +33,20 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from transformers import GenerationMixin, PreTrainedModel
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, StaticLayer
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import ModelOutput
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 from transformers.utils import can_return_tuple
 
 from .configuration_ouro import OuroConfig
-from .fp_compat import CACHE_NAME, cache_field, capture_outputs, create_causal_mask, pop_cache
+from .fp_compat import (
+    CACHE_NAME,
+    cache_field,
+    capture_outputs,
+    create_causal_mask,
+    pop_cache,
+)
 from .fp_registry import check_number
 
 
@@ -104,7 +112,7 @@ def loop_change(states, attention_mask=None) -> Optional[torch.Tensor]:
         return None
     dtype = torch.promote_types(states[0].dtype, torch.float32)
     h = torch.stack(states, dim=1).to(dtype)  # (B, T, S, D)
-    if attention_mask is not None and attention_mask.dim() == 2:
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:  # not generate's prepared mask dict
         h = h * attention_mask[:, None, -h.shape[2]:, None].to(dtype)
     diff = torch.linalg.vector_norm((h[:, 1:] - h[:, :-1]).flatten(2), dim=-1)
     base = torch.linalg.vector_norm(h[:, :-1].flatten(2), dim=-1)
@@ -208,14 +216,20 @@ class OuroModel(OuroPreTrainedModel):
     def _prepare_cache(self, cache: Cache, loops: int) -> None:
         """Make room for one slot per (loop, layer); refuse a cache filled with another loop count."""
         slots = loops * self.config.num_hidden_layers
+        if len(cache.layers) == slots:  # the decoding steps: no look at the (for a static cache: tensor) length
+            return
         if cache.get_seq_length() > 0:
-            if len(cache.layers) != slots:
-                raise ValueError(
-                    f"The cache holds {len(cache.layers)} (loop, layer) slots but total_ut_steps={loops} needs "
-                    f"{slots}: keep total_ut_steps fixed while reusing a cache.")
-        elif cache.layer_class_to_replicate is None and len(cache.layers) < slots:
-            # A cache built from the config (e.g. by generate) has one slot per layer only.
-            cache.layers.extend(DynamicLayer() for _ in range(slots - len(cache.layers)))
+            raise ValueError(f"The cache holds {len(cache.layers)} (loop, layer) slots but total_ut_steps={loops} "
+                             f"needs {slots}: keep total_ut_steps fixed while reusing a cache.")
+        if cache.layer_class_to_replicate is None and len(cache.layers) < slots:
+            # A cache built from the config (e.g. by generate) has one slot per layer only; a static one
+            # (cache_implementation="static", what compiled generation uses) gets static slots of its length.
+            first = cache.layers[0]
+            if isinstance(first, StaticLayer):
+                cache.layers.extend(StaticLayer(max_cache_len=first.max_cache_len)
+                                    for _ in range(slots - len(cache.layers)))
+            else:
+                cache.layers.extend(DynamicLayer() for _ in range(slots - len(cache.layers)))
 
     def loop(self, hidden_states, mask, position_embeddings, past_key_values=None, offset: int = 0, **kwargs):
         """One loop: every layer once (cache slots ``offset + l``), then the final norm."""
@@ -271,8 +285,11 @@ class OuroModel(OuroPreTrainedModel):
             past = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past)[None]
         # Shared by all loops, as upstream: one mask, one set of rotary embeddings.
-        mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                                  past_key_values=past_key_values, position_ids=position_ids)
+        if isinstance(attention_mask, dict):  # generate's prepared masks (static cache): one per attention type
+            mask = attention_mask["full_attention"]
+        else:
+            mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                                      past_key_values=past_key_values, position_ids=position_ids)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
         hidden_states, states, gates = inputs_embeds, [], []
         for t in range(loops):

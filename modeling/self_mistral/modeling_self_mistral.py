@@ -22,7 +22,6 @@ from typing import Optional
 import torch
 from torch import nn
 from transformers import MistralForCausalLM, MistralModel, MistralPreTrainedModel
-from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.models.mistral.modeling_mistral import (
@@ -38,7 +37,7 @@ from transformers.utils.generic import can_return_tuple
 
 from .configuration_self_mistral import SelfMistralConfig
 from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
-from .fp_compat import CACHE_NAME, attention_function, pop_cache
+from .fp_compat import CACHE_NAME, attention_function, pop_cache, require_dynamic_cache
 from .fp_fpsa import FPSAStats, fpsa_decoder_attention, init_fpsa_weights, with_jac_penalty
 from .fp_halting import ACTAccumulator  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_jacobian import jacobian_frobenius  # noqa: F401  (see vendor.direct_import_problems)
@@ -58,11 +57,8 @@ def apply_rope(t, cos, sin):
 
 
 def check_cache(cache) -> None:
-    if cache is None:
-        return
-    if not isinstance(cache, DynamicCache) or not all(isinstance(layer, DynamicLayer) for layer in cache.layers):
-        raise ValueError(f"SELF models keep converged keys in a DynamicCache; got {type(cache).__name__}. Use the "
-                         "default cache (generate(..., cache_implementation=None)) or past_key_values=DynamicCache().")
+    require_dynamic_cache(cache, "SELF models", "after each layer's solve the new tokens' converged keys replace "
+                          "placeholders at the end of the layer's growing key tensor (fp_fpsa.fpsa_decoder_attention)")
 
 
 class SelfMistralAttention(MistralAttention):

@@ -5,7 +5,7 @@ from transformers import PretrainedConfig
 
 from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_reasoning import check_puzzle_config
-from .fp_registry import check_number
+from .fp_registry import check_number, complete_auto_map
 from .fp_settings import pop_fp_kwargs
 from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_problems)
@@ -36,6 +36,9 @@ class TRMConfig(PretrainedConfig):
     """
 
     model_type = "trm"
+    # Every Auto class of the family: config.json gets them all whichever class saves (see complete_auto_map).
+    family_auto_map = {"AutoConfig": "configuration_trm.TRMConfig", "AutoModel": "modeling_trm.TRMModel",
+                       "AutoModelForTokenClassification": "modeling_trm.TRMForPuzzles"}
 
     def __init__(
         self,
@@ -78,6 +81,7 @@ class TRMConfig(PretrainedConfig):
         check_number(jacobian_reg_weight, "jacobian_reg_weight", low=0.0)
         if jacobian_reg_weight > 0 and not deq:
             raise ValueError("jacobian_reg_weight > 0 needs deq=True (the regularizer acts on the fixed point).")
+        kwargs["auto_map"] = complete_auto_map(kwargs.get("auto_map"), self.family_auto_map)
         super().__init__(**kwargs)
 
 

@@ -5,7 +5,7 @@ from transformers import PretrainedConfig
 
 from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_reasoning import check_puzzle_config
-from .fp_registry import check_number
+from .fp_registry import check_number, complete_auto_map
 from .fp_settings import pop_fp_kwargs
 from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_problems)
@@ -29,6 +29,9 @@ class URMConfig(PretrainedConfig):
     """
 
     model_type = "urm"
+    # Every Auto class of the family: config.json gets them all whichever class saves (see complete_auto_map).
+    family_auto_map = {"AutoConfig": "configuration_urm.URMConfig", "AutoModel": "modeling_urm.URMModel",
+                       "AutoModelForTokenClassification": "modeling_urm.URMForPuzzles"}
 
     def __init__(
         self,
@@ -61,6 +64,7 @@ class URMConfig(PretrainedConfig):
         check_puzzle_config(self)
         check_number(num_layers, "num_layers", low=1, integer=True)
         check_number(L_cycles, "L_cycles", low=1, integer=True)
+        kwargs["auto_map"] = complete_auto_map(kwargs.get("auto_map"), self.family_auto_map)
         super().__init__(**kwargs)
 
 

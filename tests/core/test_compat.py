@@ -131,3 +131,17 @@ def test_causal_lms_fill_a_cache_passed_as_cache(family):
     with torch.no_grad():
         out = model(input_ids=ids, cache=cache, use_cache=True)
     assert cache.get_seq_length() == 5 and getattr(out, fp_compat.CACHE_NAME) is cache
+
+
+@pytest.mark.parametrize("family, name", [("attractor_lm", "Attractor LM"), ("self_llama", "SELF models"),
+                                          ("self_mistral", "SELF models")])
+def test_static_cache_is_refused_with_the_reason(family, name):
+    """``cache_implementation="static"`` once failed with a wrong message (Attractor: "computed with readout_iters=0").
+    SELF refused it clearly already; Ouro supports it (tests/models/ouro)."""
+    from hf_fixedpoint.modeling import FAMILIES
+    from tests.helpers import family_tester
+
+    config_class, models = next((c, m) for c, m in FAMILIES if c.model_type == family)
+    model = models[-1][1](family_tester(config_class).get_config()).eval()
+    with pytest.raises(ValueError, match=f"^{name} needs a DynamicCache; got StaticCache: .+ Use the default cache"):
+        model.generate(torch.randint(1, 50, (1, 5)), max_new_tokens=2, do_sample=False, cache_implementation="static")

@@ -10,6 +10,7 @@ import re
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -86,6 +87,8 @@ def test_glue_trains_logs_iterations_resumes_and_exports(tiny_bert, tmp_path, mo
     assert config["model_type"] == "fpsa_bert" and config["fp_max_iter"] == 3
     assert (config["fpsa_jac_norm"], config["fpsa_jac_weight"]) == ("spectral", 10.0)  # the recipe's penalty
     assert config["auto_map"]["AutoModelForSequenceClassification"].startswith("modeling_fpsa_bert.")
+    assert config["auto_map"]["AutoModel"] == "modeling_fpsa_bert.FPSABertModel"  # every head of the family
+    assert config["id2label"] == {"0": "negative", "1": "positive"}  # SST-2's class names for the pipeline
     model = AutoModelForSequenceClassification.from_pretrained(full, trust_remote_code=True).eval()
     assert model(input_ids=torch.tensor([[2, 10, 11, 3]])).logits.shape == (1, 2)
 
@@ -179,8 +182,24 @@ def test_vit_trains_resumes_and_exports(tmp_path, monkeypatch):
     metrics = json.loads((out / "metrics.json").read_text())
     assert [r["step"] for r in metrics["train_log"]] == [1, 2, 3]  # the log of the resumed steps included
     assert 0.0 <= metrics["eval"]["accuracy"] <= 1.0 and metrics["eval"]["fpsa_iter_max"] <= 3
-    model = AutoModelForImageClassification.from_pretrained(out, trust_remote_code=True)
-    assert model(pixel_values=torch.zeros(2, 1, 8, 8)).logits.shape == (2, 10)
+    model = AutoModelForImageClassification.from_pretrained(out, trust_remote_code=True).eval()
+    assert model(pixel_values=torch.zeros(2, 3, 8, 8)).logits.shape == (2, 10)
+
+    # Pipeline-ready: the exported processor does to 8-bit images what the recipe's collate does to [0, 1] images,
+    # and the classes are the digits.
+    from PIL import Image
+    from transformers import AutoImageProcessor, pipeline
+
+    pixels = np.random.default_rng(0).integers(0, 256, (3, 8, 8), dtype=np.uint8)
+    images = [Image.fromarray(p, mode="L") for p in pixels]
+    processed = AutoImageProcessor.from_pretrained(out)(images, return_tensors="pt")["pixel_values"]
+    collated = fpsa_vit.image_collate(8, 3)([(torch.tensor(p / 255, dtype=torch.float32)[None], torch.tensor(0))
+                                             for p in pixels])
+    torch.testing.assert_close(processed, collated["pixel_values"], atol=1e-6, rtol=0)
+    predictions = pipeline("image-classification", model=str(out), trust_remote_code=True)(images, top_k=1)
+    with torch.no_grad():
+        want = model(pixel_values=collated["pixel_values"]).logits.argmax(-1).tolist()
+    assert [p[0]["label"] for p in predictions] == [str(i) for i in want]
 
 
 def test_merge_fpsa_stats_drops_padding_across_batches():

@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from torch.nn import functional as F
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
+from transformers.cache_utils import StaticLayer
 
 from hf_fixedpoint.modeling import OuroConfig, OuroForCausalLM, OuroModel
 from tests.models.causal_lm_checks import CausalLMChecksMixin
@@ -316,6 +317,42 @@ def test_cached_generate_equals_uncached_left_padded(loops):
         alone = model.generate(ids[row : row + 1, mask[row].bool()], max_new_tokens=10, do_sample=False,
                                total_ut_steps=loops)
         assert torch.equal(alone[0, -10:], cached[row, -10:])
+
+
+@pytest.mark.parametrize("beams", [1, 3])
+def test_static_cache_generates_the_dynamic_cache_tokens(beams):
+    """``cache_implementation="static"`` (compiled generation's cache) once failed in masking_utils (generate passes
+    its prepared masks as a dict) and had one slot per layer; now it gets the L * T slots and the same tokens, for
+    greedy and beam search on a left-padded batch."""
+    torch.manual_seed(0)
+    model = OuroForCausalLM(OuroConfig(**TINY)).eval()
+    ids = torch.randint(1, 99, (3, 6), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    kw = {"attention_mask": mask, "max_new_tokens": 8, "do_sample": False, "pad_token_id": 0, "num_beams": beams}
+    dynamic = model.generate(ids, **kw)
+    cache = StaticCache(config=model.config, max_cache_len=14)
+    static = model.generate(ids, past_key_values=cache, **kw) if beams == 1 else \
+        model.generate(ids, cache_implementation="static", **kw)
+    assert torch.equal(static, dynamic)
+    if beams == 1:
+        assert len(cache.layers) == 2 * 3 and all(isinstance(layer, StaticLayer) for layer in cache.layers)
+
+
+def test_static_decode_step_traces_as_one_graph():
+    """What compiled generation compiles: a decoding step with a filled static cache, one graph for all loops (the
+    cache check once branched on the static cache's tensor length: three graph breaks)."""
+    torch.manual_seed(0)
+    model = OuroForCausalLM(OuroConfig(**TINY)).eval()
+    ids = torch.randint(1, 99, (2, 6))
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+        explained = torch._dynamo.explain(model)(ids[:, -1:], past_key_values=cache, use_cache=True,
+                                                 position_ids=torch.full((2, 1), 6))
+    torch._dynamo.reset()
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
 
 def test_cache_has_one_slot_per_loop_and_layer():
