@@ -172,8 +172,9 @@ def run_vit(knobs, args, seed):
 
     (x_train, y_train), (x_test, y_test) = load_digits_split(0.2, 0)
     collate = image_collate(8, 1)
-    if args.checkpoint:  # an export of recipes/fpsa_vit.py (its default split: seed 0)
+    if args.checkpoint:  # an export of recipes/fpsa_vit.py (its default split: seed 0), fed as the recipe feeds it
         model = FPSAViTForImageClassification.from_pretrained(args.checkpoint)
+        collate = image_collate(model.config.image_size, model.config.num_channels)
         test = [collate(list(zip(x_test[i:i + 128], y_test[i:i + 128]))) for i in range(0, len(x_test), 128)]
         return {"FPSA-ViT (recipe export)": profile(model, test, argmax_score)}
     shape = dict(image_size=8, patch_size=2, num_channels=1)

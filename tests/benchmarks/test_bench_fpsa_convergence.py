@@ -97,3 +97,14 @@ def test_cifar_loader_and_smoke(tmp_path):
     assert set(rows) == {"ViT", "FPSA-ViT", "ViT (matched time)"} and 1 <= rows["FPSA-ViT"]["median"] <= 100
     with pytest.raises(ValueError, match="--cifar_json"):
         main(["--tasks", "cifar"])
+
+
+def test_vit_profile_of_a_recipe_export_fed_with_its_channels(tmp_path):
+    from hf_fixedpoint.modeling import FPSAViTConfig, FPSAViTForImageClassification
+
+    torch.manual_seed(0)
+    FPSAViTForImageClassification(FPSAViTConfig(image_size=8, patch_size=2, num_channels=3, hidden_size=16,
+                                                num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+                                                num_labels=10)).save_pretrained(tmp_path / "vit")
+    row = main(["--tasks", "vit", "--checkpoint", str(tmp_path / "vit")])["vit/seed0"]["FPSA-ViT (recipe export)"]
+    assert 1 <= row["median"] <= row["p90"] <= 100 and 0.0 <= row["accuracy"] <= 1.0
