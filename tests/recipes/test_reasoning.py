@@ -125,15 +125,17 @@ def test_resume_continues_from_the_saved_step(tmp_path, capsys):
     assert steps == [2, 4]
 
 
-def test_killed_anywhere_and_resumed_ends_with_the_uninterrupted_weights(tmp_path):
+@pytest.mark.parametrize("model", ["trm", "fprm"])
+def test_killed_anywhere_and_resumed_ends_with_the_uninterrupted_weights(model, tmp_path):
     """Issue 21: kills inside a save, at step boundaries (carry, data order, EMA and halting state mid-flight), on
     SIGTERM and in the export; resumed with ``latest`` until done, the exported EMA weights and every evaluation
-    equal the uninterrupted run's."""
+    equal the uninterrupted run's. FPRM's carry also holds its solver state (step sizes, patience) and its start
+    noise comes from the restored RNG."""
     from recipes import reasoning
     from tests.helpers import assert_survives_kills, kill_at_step, kill_during_save, kill_in, sigterm_at_step
 
     def main(out, *extra):
-        reasoning.main(["--model", "trm", *TINY, "--model_kwargs", SMALL["trm"], "--num_layers", "1", "--max_steps",
+        reasoning.main(["--model", model, *TINY, "--model_kwargs", SMALL[model], "--num_layers", "1", "--max_steps",
                         "7", "--eval_every", "3", "--save_every", "1", "--output_dir", str(out), *map(str, extra)])
 
     def evals(out):
