@@ -32,7 +32,7 @@ class FPRMConfig(PretrainedConfig):
         pos_encodings (``rope`` | ``none``), rope_theta, rms_norm_eps, forward_dtype (``float32`` | ``bfloat16`` |
             ``float64``: the activation dtype; weights stay float32), grid_shape (``[rows, cols]`` of the puzzle
             grid, needed by ``conv="2d"``).
-        causal: causal attention (position ``t`` sees ``<= t``; FPRM's short convolution becomes causal too), the
+        causal: causal attention (position ``t`` sees ``<= t``; FPRM's 1-d convolution is causal in any case), the
             state-tracking set-up where the answer at ``t`` depends on the first ``t`` inputs; the Q-halt head then
             reads the last position. Not with ``mlp_t`` or ``conv="2d"``.
         halt_max_steps, halt_exploration_prob: ACT supervision steps per puzzle and exploration probability.
