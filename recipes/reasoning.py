@@ -32,6 +32,7 @@ the interrupted run was (``--resume_from`` is its deprecated old name).
 
 import json
 import os
+import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -61,6 +62,8 @@ from hf_fixedpoint.puzzles.evaluation import (
     sequence_correct,
 )
 
+PRESETS = ("none", "official")
+OPTIMIZERS = ("adamatan2", "adamw")
 # --model name -> (config class, model class, config defaults)
 MODELS = {
     "fprm": (FPRMConfig, FPRMForPuzzles, {}),
@@ -75,6 +78,46 @@ MODELS = {
 A5_DEFAULTS = {"causal": True, "pos_encodings": "none", "puzzle_emb_len": 0}
 A5_FPRM_DEFAULTS = {"conv": "1d", "conv_kernel": 4, "alpha_1_init": 0.5, "alpha_2_init": 0.5, "bptt_window": 4,
                     "fp_max_iter": 128, "fp_eval_max_iter": 160, "q_loss_weight": 0.0}  # official q_loss_coeff 0
+
+# --preset official: the research code's values (TRM README, URM scripts, FPRM cfg_pretrain_*.yaml) at their own
+# scale (hidden 512, batch 768: GPU runs). Flags given on the command line and --model_kwargs entries win.
+# FPRM caps *supervision steps* at max_iter (Sudoku 12, Maze 24, A5 128), each a window of n_backwards_L solver
+# steps; TRM/URM run 16 supervision steps (URM also evaluates with 8 more).
+OFFICIAL_FLAGS = {"hidden_size": 512, "num_attention_heads": 8, "batch_size": 768, "warmup_steps": 2000,
+                  "beta1": 0.9, "beta2": 0.95, "ema_rate": 0.999, "ema_warmup": 0, "halt_max_steps": 16,
+                  "loss_type": "stablemax", "lr_scheduler_type": "constant_with_warmup"}
+OFFICIAL_TASK_FLAGS = {  # (--model, task family) -> optimizer and batch settings
+    ("trm", "sudoku"): {"lr": 1e-4, "puzzle_emb_lr": 1e-4, "weight_decay": 1.0, "puzzle_emb_weight_decay": 1.0},
+    ("trm", "maze"): {"lr": 1e-4, "puzzle_emb_lr": 1e-4, "weight_decay": 1.0, "puzzle_emb_weight_decay": 1.0},
+    ("trm", "arc"): {"lr": 1e-4, "puzzle_emb_lr": 1e-2, "weight_decay": 0.1, "puzzle_emb_weight_decay": 0.1},
+    ("urm", "sudoku"): {"lr": 1e-4, "weight_decay": 1.0, "batch_size": 128, "eval_extra_steps": 8},
+    ("urm", "arc"): {"lr": 1e-4, "puzzle_emb_lr": 1e-2, "weight_decay": 0.1, "puzzle_emb_weight_decay": 0.1,
+                     "eval_extra_steps": 8},
+    ("fprm", "sudoku"): {"optimizer": "adamw", "lr": 1e-3, "weight_decay": 1e-3, "puzzle_emb_lr": 1e-3,
+                         "puzzle_emb_weight_decay": 1e-3, "halt_max_steps": 12},
+    ("fprm", "maze"): {"optimizer": "adamw", "lr": 1e-4, "weight_decay": 1.0, "puzzle_emb_lr": 1e-2,
+                       "puzzle_emb_weight_decay": 1.0, "halt_max_steps": 24},
+    ("fprm", "a5"): {"optimizer": "adamw", "lr": 1e-4, "weight_decay": 0.01, "batch_size": 1024, "warmup_steps": 0,
+                     "ema_rate": 0.0, "halt_max_steps": 128},
+}
+OFFICIAL_CONFIG = {  # --model -> config fields (task-specific ones in OFFICIAL_TASK_CONFIG)
+    "trm": {"num_layers": 2, "puzzle_emb_len": 16, "H_cycles": 3, "L_cycles": 4, "halt_exploration_prob": 0.1,
+            "mlp_multiple_of": 256, "forward_dtype": "bfloat16"},
+    "urm": {"num_layers": 4, "puzzle_emb_len": 1, "L_cycles": 6, "fp_max_iter": 6, "halt_exploration_prob": 0.1,
+            "mlp_multiple_of": 256, "forward_dtype": "bfloat16"},
+    "fprm": {"num_layers": 2, "puzzle_emb_len": 16, "solve_mode": "official", "fp_solver": "fpopt",
+             "fp_norm": "token_linf", "fp_tol": 0.1, "bptt_window": 6, "init_mode": "noise", "init_noise": "truncated",
+             "init_std": 6.0, "alpha_1_init": 0.75, "alpha_2_init": 0.25, "fp_eval_max_iter": 1000, "pad_id": None,
+             "halt_exploration_prob": 0.0, "mlp_multiple_of": 256, "forward_dtype": "bfloat16"},
+}
+OFFICIAL_TASK_CONFIG = {
+    ("trm", "sudoku"): {"L_cycles": 6, "mlp_t": True, "pos_encodings": "none"},  # TRM-MLP, the 87% Sudoku model
+    ("fprm", "sudoku"): {"conv": "2d", "conv_kernel": 3},
+    ("fprm", "maze"): {"conv": "1d", "conv_kernel": 4, "output_norm": True},
+    ("fprm", "a5"): {"puzzle_emb_len": 0, "pos_encodings": "none", "causal": True, "bptt_window": 4, "conv": "1d",
+                     "conv_kernel": 4, "alpha_1_init": 0.5, "alpha_2_init": 0.5, "fp_eval_max_iter": 160,
+                     "q_loss_weight": 0.0},
+}
 
 
 @dataclass
@@ -125,6 +168,45 @@ class Args:
                                                          "always at the end"})
     save_total_limit: int = field(default=2, metadata={"help": "keep the newest N complete checkpoints (0: all)"})
     seed: int = field(default=0)
+    optimizer: str = field(default="adamatan2", metadata={
+        "help": "adamatan2 (TRM, URM) or adamw (FPRM's configs)"})
+    eval_extra_steps: int = field(default=0, metadata={
+        "help": "TRM/URM: evaluate with this many supervision steps beyond halt_max_steps (URM reports +8)"})
+    eval_blank_id: bool = field(default=False, metadata={
+        "help": "also evaluate with every puzzle id set to the blank id 0 (results under 'blank_id'): how much of "
+                "the score the learned per-puzzle embedding carries (ARC)"})
+    preset: str = field(default="none", metadata={
+        "help": "official: the research code's values for --model and --task (see OFFICIAL_*); flags given "
+                "explicitly and --model_kwargs entries win. none: the flags as given"})
+
+
+def task_family(task):
+    """``arc1``/``arc2`` -> ``arc``; the other tasks are their own family."""
+    return "arc" if task.startswith("arc") else task
+
+
+def apply_preset(args, given):
+    """``--preset official``: fill the research code's flag values (not those in ``given``) and put its config values
+    under ``--model_kwargs`` (entries given there win). Combinations the research code has no values for fail."""
+    if args.preset == "none":
+        return args
+    key = (args.model, task_family(args.task))
+    if key not in OFFICIAL_TASK_FLAGS:
+        raise ValueError(f"--preset official has no research-code values for --model {args.model} --task "
+                         f"{args.task}; available: {sorted(OFFICIAL_TASK_FLAGS)}.")
+    for name, value in {**OFFICIAL_FLAGS, **OFFICIAL_TASK_FLAGS[key]}.items():
+        if name not in given:
+            setattr(args, name, value)
+    config = {**OFFICIAL_CONFIG[args.model], **OFFICIAL_TASK_CONFIG.get(key, {})}
+    if key[0] == "fprm":  # max_iter supervision steps of bptt_window solver steps each
+        config["fp_max_iter"] = args.halt_max_steps * config["bptt_window"]
+    if "num_layers" not in given:
+        args.num_layers = config.pop("num_layers")
+    if "puzzle_emb_len" not in given:
+        args.puzzle_emb_len = config.pop("puzzle_emb_len")
+    config = {k: v for k, v in config.items() if k not in ("num_layers", "puzzle_emb_len")}
+    args.model_kwargs = json.dumps({**config, **parse_json(args.model_kwargs, "model_kwargs")})
+    return args
 
 
 def parse_json(text, name):
@@ -206,24 +288,37 @@ class Carry:
         self.value = state["carry"]
 
 
+def supervised_eval(model, b, device, steps):
+    """The research code's evaluation of TRM/URM: ``steps`` supervision steps for every slot (``halt_max_steps``
+    raised to ``steps`` meanwhile); iterations counted up to the first positive Q-halt logit."""
+    carry = model.initial_carry(b["inputs"].shape[0], device)
+    used, cap = None, model.config.halt_max_steps
+    model.config.halt_max_steps = steps
+    try:
+        for _ in range(steps):
+            out = model(b["inputs"], b["puzzle_identifiers"], carry=carry)
+            carry = out.carry
+            first = (out.q_halt_logits > 0) if used is None else (out.q_halt_logits > 0) & (used < 0)
+            used = torch.where(first, carry["iterations"], -1 if used is None else used)
+    finally:
+        model.config.halt_max_steps = cap
+    return out, torch.where(used < 0, carry["iterations"], used)
+
+
 @torch.no_grad()
-def evaluate(model, ds, meta, args, device):
-    """Exact and cell accuracy, iterations used versus difficulty and, for ARC, pass@k with augmentation voting."""
+def evaluate(model, ds, meta, args, device, blank_id=False):
+    """Exact and cell accuracy, iterations used versus difficulty and, for ARC, pass@k with augmentation voting;
+    ``blank_id``: every row's puzzle id replaced by the blank id 0."""
     model.eval()
     preds, labels, scores, iters = [], [], [], []
     for b in batches(ds, args.eval_batch_size, device, shuffle=False, drop_last=False):
+        if blank_id:
+            b["puzzle_identifiers"] = torch.zeros_like(b["puzzle_identifiers"])
         if args.model == "fprm":  # one full solve: iterations adapt to the puzzle
             out = model(b["inputs"], b["puzzle_identifiers"])
             used = out.iterations
-        else:  # the research code's evaluation: halt_max_steps steps; iterations counted up to the first Q-halt
-            carry = model.initial_carry(b["inputs"].shape[0], device)
-            used = None
-            for _ in range(model.config.halt_max_steps):
-                out = model(b["inputs"], b["puzzle_identifiers"], carry=carry)
-                carry = out.carry
-                first = (out.q_halt_logits > 0) if used is None else (out.q_halt_logits > 0) & (used < 0)
-                used = torch.where(first, carry["iterations"], -1 if used is None else used)
-            used = torch.where(used < 0, carry["iterations"], used)
+        else:
+            out, used = supervised_eval(model, b, device, model.config.halt_max_steps + args.eval_extra_steps)
         preds.append(out.logits.argmax(-1).cpu())
         labels.append(b["labels"].cpu())
         scores.append(torch.sigmoid(out.q_halt_logits).cpu())
@@ -249,6 +344,12 @@ def parse_args(argv=None):
     """The flags (unknown ones are errors), checked before any work; ``--resume_from`` still works, with a warning."""
     (args,) = HfArgumentParser(Args).parse_args_into_dataclasses(args=argv)
     check_choice(args.model, "--model", sorted(MODELS))
+    check_choice(args.preset, "--preset", PRESETS)
+    check_choice(args.optimizer, "--optimizer", OPTIMIZERS)
+    if args.eval_extra_steps < 0:
+        raise ValueError(f"--eval_extra_steps must be >= 0, got {args.eval_extra_steps}.")
+    given = {a[2:].split("=")[0] for a in (sys.argv[1:] if argv is None else argv) if a.startswith("--")}
+    args = apply_preset(args, given)
     if args.resume_from is not None:
         warnings.warn("--resume_from is deprecated; use --resume_from_checkpoint (a checkpoints/step_<n> folder or "
                       "'latest').", FutureWarning, stacklevel=2)
@@ -291,8 +392,9 @@ def main(argv=None):
     # 2. Model, optimizers, schedule, EMA.
     model = build_model(args, meta).train()  # from_pretrained (--init_from) returns a model in eval mode
     accelerator.print(f"model: {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} parameters)")
-    optimizer = AdamATan2(model.parameters(), lr=args.lr, betas=(args.beta1, args.beta2),
-                          weight_decay=args.weight_decay)
+    optimizer_class = AdamATan2 if args.optimizer == "adamatan2" else torch.optim.AdamW
+    optimizer = optimizer_class(model.parameters(), lr=args.lr, betas=(args.beta1, args.beta2),
+                                weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps,
                               num_training_steps=args.max_steps)
     ema = ema_model(model, args.ema_rate, args.ema_warmup).to(accelerator.device) if args.ema_rate > 0 else None
@@ -313,9 +415,14 @@ def main(argv=None):
 
     def run_evals(step):
         results = {name: evaluate(eval_model, ds, m, args, accelerator.device) for name, ds, m in test_sets}
+        for name, ds, m in test_sets if args.eval_blank_id else ():
+            blank = evaluate(eval_model, ds, m, args, accelerator.device, blank_id=True)
+            results[name]["blank_id"] = {k: v for k, v in blank.items() if k != "iterations_vs_difficulty"}
         progress["history"].append({"step": step, **results})
         for name, r in results.items():
             arc = "".join(f" {k} {r[k]:.3f}" for k in ("pass@1", "pass@2") if k in r)
+            arc += "".join(f" (blank id: {k} {r['blank_id'][k]:.3f})" for k in ("exact_accuracy", "pass@2")
+                           if k in r.get("blank_id", {}))
             accelerator.print(f"eval step {step} {name}: exact {r['exact_accuracy']:.3f} cell (pooled) "
                               f"{r['cell_accuracy_pooled']:.3f} cell (per-puzzle mean) "
                               f"{r['cell_accuracy_per_puzzle']:.3f} iterations {r['iterations_mean']:.1f}{arc}")

@@ -73,44 +73,57 @@ class Picard(_Solver):
 class FPOpt(_Solver):
     """FPRM's damped fixed-point optimizer: Picard with a per-entry step size that decays when progress stalls.
 
-    After ``patience`` steps without a new lowest residual the entry's step size is multiplied by ``decay``; an entry
-    whose step size falls below ``min_step`` is halted (reported as not converged). Use with ``norm="token_linf"`` and
-    ``stop_mode="rel"`` for FPRM's per-token relative l-infinity residual.
+    As in FPRM's ``FixedPointOptimizer``: each step moves with the current step size, ``z <- z + s (f(z) - z)``;
+    after the step the residual of ``z`` (passed to ``observe`` before ``step``) updates the lowest residual seen and
+    a patience counter, and an entry that went ``patience`` steps without a new lowest residual while its residual is
+    still ``>= threshold`` has its step size multiplied by ``decay`` (so the decay acts from the next step on). An
+    entry whose step size falls below ``min_step`` is halted (reported as not converged). Use with
+    ``norm="token_linf"`` and ``stop_mode="rel"`` for FPRM's per-token relative l-infinity residual.
 
     Args:
         step_size: initial step size in (0, 1].
         patience: non-improving steps tolerated before a decay (>= 1).
         decay: multiplicative decay in (0, 1) (FPRM: 0.9 in training, 0.99 at evaluation).
         min_step: entries halt once their step size is below this (>= 0).
+        threshold: no decay while the residual is below this (>= 0; FPRM: its ``fp_thresh``, 0.1).
     """
 
-    def __init__(self, step_size: float = 1.0, patience: int = 5, decay: float = 0.9, min_step: float = 1e-3):
+    def __init__(self, step_size: float = 1.0, patience: int = 5, decay: float = 0.9, min_step: float = 1e-3,
+                 threshold: float = 0.0):
         super().__init__()
         check_number(step_size, "step_size", low=0.0, high=1.0, low_open=True)
         check_number(patience, "patience", low=1, integer=True)
         check_number(decay, "decay", low=0.0, high=1.0, low_open=True, high_open=True)
         check_number(min_step, "min_step", low=0.0)
+        check_number(threshold, "threshold", low=0.0)
         self.step_size, self.patience, self.decay, self.min_step = float(step_size), patience, float(decay), min_step
+        self.threshold = float(threshold)
+        self._res = None
 
     def init(self, z):
         n = z.shape[0]
         self.state = {
             "s": z.new_full((n, 1), self.step_size),
             "best": z.new_full((n,), math.inf),
-            "bad": torch.zeros(n, dtype=torch.long, device=z.device),
+            "patience": torch.full((n,), self.patience, dtype=torch.long, device=z.device),
         }
 
     def observe(self, res):
-        st = self.state
-        improved = res < st["best"]
-        st["best"] = torch.where(improved, res, st["best"])
-        bad = torch.where(improved, 0, st["bad"] + 1)
-        decay = bad >= self.patience
-        st["s"] = torch.where(decay[:, None], st["s"] * self.decay, st["s"])
-        st["bad"] = torch.where(decay, 0, bad)
+        """The residual of the iterate the next ``step`` moves from."""
+        self._res = res
 
     def step(self, z, fz, gz, k):
-        return z + self.state["s"] * gz
+        st = self.state
+        out = z + st["s"] * gz
+        res, self._res = self._res, None
+        if res is not None:
+            improved = res < st["best"]
+            st["best"] = torch.where(improved, res, st["best"])
+            patience = torch.where(improved, self.patience, st["patience"] - 1)
+            decay = (patience <= 0) & (res >= self.threshold)
+            st["patience"] = torch.where(decay, self.patience, patience)
+            st["s"] = torch.where(decay[:, None], st["s"] * self.decay, st["s"])
+        return out
 
     def halted(self):
         return self.state["s"][:, 0] < self.min_step
@@ -293,17 +306,21 @@ def check_solve_args(*, solver, tol, stop_mode, norm, max_iter, min_iter, batch_
     check_choice(return_mode, prefix + "return_mode", RETURN_MODES)
 
 
-def _residual(gz, fz, stop_mode, norm, row_size=1):
+def _residual(gz, fz, stop_mode, norm, row_size=1, row_mask=None):
     """Per-entry residual of ``gz = f(z) - z`` (shape ``(entries, d)``). ``token_linf`` views each entry as rows of
     ``row_size`` (the tokens of a ``(..., T, D)`` state) and takes the largest per-row relative l-infinity residual:
     FPRM's ``max_t ||g_t||_inf / ||f_t||_inf``, where a token that changes a lot relative to its own size counts
-    even if other tokens are larger (``linf`` divides by the largest entry of the whole state instead)."""
+    even if other tokens are larger (``linf`` divides by the largest entry of the whole state instead).
+    ``row_mask`` (``(entries, rows)``, bool; ``token_linf`` only): the rows that count (e.g. not padding); an entry
+    with no counted row has residual 0."""
     # At least float32: in float16 the squares of small entries underflow and 1e-9 rounds to 0, so a tiny row's
     # relative residual would be 0 / 0 = NaN (and be reported as a non-finite iterate).
     acc = torch.promote_types(gz.dtype, torch.float32)
     if norm == "token_linf" and stop_mode == "rel":
         rows = (gz.shape[0], -1, row_size)
         per_row = gz.reshape(rows).abs().amax(-1).to(acc) / (fz.reshape(rows).abs().amax(-1).to(acc) + 1e-9)
+        if row_mask is not None:
+            per_row = per_row.masked_fill(~row_mask.reshape(per_row.shape), 0.0)
         return per_row.amax(-1)
     if norm == "l2":
         r = torch.linalg.vector_norm(gz, dim=1, dtype=acc)
@@ -331,6 +348,7 @@ def solve(
     solver_kwargs: Optional[dict] = None,
     check: bool = True,
     pass_active: bool = False,
+    row_mask: Optional[torch.Tensor] = None,
 ):
     """Solve ``z = f(z, *args)`` from ``z0`` without autograd; returns ``(z_star, FixedPointStats)``.
 
@@ -357,6 +375,8 @@ def solve(
         pass_active: call ``f(z, *args, active=mask)`` with ``mask`` the entries still iterating (a bool tensor shaped
             like the working rows' entries, ``(rows, *z0.shape[1:batch_dims])``; None while every entry is open), so
             that ``f`` can skip the work of converged entries: their values in its output are ignored.
+        row_mask: with ``norm="token_linf"``, a bool tensor shaped ``z0.shape[:-1]``: the rows (tokens) whose
+            residual counts; padding positions are left out this way (None: every row).
 
     Raises:
         NonFiniteError: an iterate contains NaN or Inf (the message names the iteration and the samples).
@@ -381,6 +401,12 @@ def solve(
     gps = G // B  # entries per sample
     d = z0.numel() // G
     row_size = shape[-1] if len(shape) > batch_dims else 1  # token_linf: the rows of an entry
+    rmask = None
+    if row_mask is not None:
+        if norm != "token_linf" or tuple(row_mask.shape) != tuple(shape[:-1]):
+            raise ValueError(f"row_mask must be a bool tensor of shape {tuple(shape[:-1])} (z0 without its last dim) "
+                             f"and needs norm='token_linf'; got shape {tuple(row_mask.shape)} with norm={norm!r}.")
+        rmask = row_mask.reshape(G, -1).bool()
     track_best = return_mode == "best"
     observe = getattr(algo, "observe", None)
 
@@ -407,7 +433,7 @@ def solve(
                                  "a fixed-point map must preserve the shape of its input.")
             fz = fz.reshape(z.shape)
             gz = fz - z
-            res = _residual(gz, fz, stop_mode, norm, row_size)
+            res = _residual(gz, fz, stop_mode, norm, row_size, rmask)
             if observe is not None:
                 observe(res)
             if trace is not None:
@@ -489,6 +515,7 @@ def solve(
                     if best is not None:
                         best, best_res = best[rows], best_res[rows]
                     algo.select(rows)
+                    rmask = None if rmask is None else rmask[rows]
                     wargs = tuple(a[keep_s] if torch.is_tensor(a) and a.dim() > 0 and a.shape[0] == Bw else a
                                   for a in wargs)
                     Bw = keep_s.numel()

@@ -11,6 +11,8 @@ from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_p
 
 RESIDUAL_SCALES = ("learned", "fixed")
 INITS = ("noise", "fixed")
+INIT_NOISES = ("truncated", "normal")
+SOLVE_MODES = ("official", "per_sample")
 WINDOW_SOLVERS = ("fpopt", "picard")
 
 # FPRM's solver: damped iteration with patience-based step decay on the per-token relative l-inf residual (the
@@ -30,7 +32,7 @@ class FPRMConfig(PretrainedConfig):
         pos_encodings (``rope`` | ``none``), rope_theta, rms_norm_eps, forward_dtype (``float32`` | ``bfloat16`` |
             ``float64``: the activation dtype; weights stay float32), grid_shape (``[rows, cols]`` of the puzzle
             grid, needed by ``conv="2d"``).
-        causal: causal attention (position ``t`` sees ``<= t``; FPRM's short convolution becomes causal too), the
+        causal: causal attention (position ``t`` sees ``<= t``; FPRM's 1-d convolution is causal in any case), the
             state-tracking set-up where the answer at ``t`` depends on the first ``t`` inputs; the Q-halt head then
             reads the last position. Not with ``mlp_t`` or ``conv="2d"``.
         halt_max_steps, halt_exploration_prob: ACT supervision steps per puzzle and exploration probability.
@@ -42,14 +44,29 @@ class FPRMConfig(PretrainedConfig):
         alpha_1_init, alpha_2_init: initial ``alpha_1`` (sublayer residual) and ``alpha_2`` (state injection), in
             (0, 1). ``beta_2 = 1 - alpha_2 * alpha_1^(2L)``, ``beta_1 = beta_2 (1 - alpha_1) / (1 - alpha_1^(2L))``
             with ``2L`` sublayers.
-        conv, conv_kernel: short depthwise convolution of the state's grid part (``none`` | ``1d`` | ``2d``).
+        conv, conv_kernel: short depthwise convolution of the state's grid part (``none`` | ``1d``: always causal,
+            left padded | ``2d``), which replaces the grid part of ``y`` before the injection, as in the research code.
+        conv_skip: use ``y + conv(y)`` on the grid part instead (the same set of maps, but a different
+            initialization and weight decay; not the research code's form).
         spectral_norm: spectral-normalize every linear layer of the blocks.
         output_norm: RMS-normalize the output of ``f``.
-        init_mode, init_std: start the solve from truncated-normal noise of std ``init_std`` (``noise``, FPRM) or
-            from a fixed random vector (``fixed``); at evaluation the noise comes from a generator seeded with
-            ``seed``.
+        init_mode, init_std, init_noise: start the solve from noise of std ``init_std`` (``noise``, FPRM) or from a
+            fixed random vector (``fixed``); ``init_noise`` ``truncated`` (truncated normal at 2 std, the research
+            code) or ``normal``; at evaluation the noise comes from a generator seeded with ``seed`` (one draw shared
+            by the batch; the research code draws fresh noise).
         bptt_window: solver steps with gradient per supervision step (truncated BPTT window).
         eval_step_decay: the ``fpopt`` step-size decay at evaluation (0.99; training uses ``fp_solver_kwargs``).
+        solve_mode: ``official`` (the research code): a training call with a carried state runs ``bptt_window``
+            solver steps on every puzzle and decides halting after the window (residual below ``fp_tol``, step size
+            below ``fpopt``'s ``min_step`` or ``fp_max_iter`` solver steps in all); an evaluation call with a carry
+            takes one solver step and halts the whole batch once every puzzle's residual is below ``fp_tol`` (or
+            every step size vanished, or ``fp_eval_max_iter`` steps); a call without a state runs one window from a
+            fresh state in training and, at evaluation, steps until the batch halts. The output is the damped
+            iterate ``y``. ``per_sample``: a puzzle that converges is frozen inside a window, a call without a
+            state is a full ``fixed_point`` solve (any solver and backward mode) that stops per puzzle and returns
+            ``f(y)``. ``official`` needs ``fp_solver`` ``fpopt`` or ``picard``.
+        pad_id: input token of padding; its positions are left out of the ``token_linf`` residual (mixed-length
+            grids converge); None counts every position (the research code; Sudoku has no padding).
         fp_*: fixed-point settings; FPRM defaults ``fp_solver="fpopt", fp_norm="token_linf", fp_tol=0.1``,
             ``fp_max_iter`` (cap on solver steps per puzzle in training), ``fp_eval_max_iter`` (cap at evaluation),
             ``fp_stop_fraction`` (a training window stops once at most this fraction of the batch is unconverged).
@@ -94,6 +111,10 @@ class FPRMConfig(PretrainedConfig):
         seed: int = 0,
         bptt_window: int = 6,
         eval_step_decay: float = 0.99,
+        conv_skip: bool = False,
+        init_noise: str = "truncated",
+        solve_mode: str = "official",
+        pad_id: int = 0,
         **kwargs,
     ):
         fields = {k: v for k, v in locals().items() if k not in ("self", "kwargs", "__class__")}
@@ -116,6 +137,15 @@ class FPRMConfig(PretrainedConfig):
         check_number(seed, "seed", integer=True)
         check_number(bptt_window, "bptt_window", low=1, integer=True)
         check_number(eval_step_decay, "eval_step_decay", low=0.0, high=1.0, low_open=True, high_open=True)
+        if not isinstance(conv_skip, bool):
+            raise ValueError(f"conv_skip must be True or False, got {conv_skip!r}.")
+        check_choice(init_noise, "init_noise", INIT_NOISES)
+        check_choice(solve_mode, "solve_mode", SOLVE_MODES)
+        if solve_mode == "official" and self.fp_solver not in WINDOW_SOLVERS:
+            raise ValueError(f"solve_mode='official' steps the research code's solver; fp_solver must be one of "
+                             f"{WINDOW_SOLVERS}, got {self.fp_solver!r} (use solve_mode='per_sample').")
+        if pad_id is not None:
+            check_number(pad_id, "pad_id", low=0, integer=True)
         kwargs["auto_map"] = complete_auto_map(kwargs.get("auto_map"), self.family_auto_map)
         super().__init__(**kwargs)
 

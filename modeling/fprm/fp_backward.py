@@ -191,6 +191,7 @@ def fixed_point(
     backward_kwargs: Optional[dict] = None,
     check: bool = True,
     pass_active: bool = False,
+    row_mask: Optional[torch.Tensor] = None,
 ):
     """Find ``z* = f(z*, *args)`` and make it differentiable with respect to everything ``f`` uses.
 
@@ -198,8 +199,8 @@ def fixed_point(
         f: the map, called as ``f(z, *args)``; it may close over parameters and tensors.
         z0: initial iterate. The first ``batch_dims`` dims index entries whose convergence is judged separately.
         args, solver, tol, stop_mode, norm, max_iter, min_iter, batch_dims, stop_fraction, return_mode, compact,
-            track_trace, solver_kwargs, pass_active: see ``fp_solvers.solve`` (the backward calls ``f`` without
-            ``active``).
+            track_trace, solver_kwargs, pass_active, row_mask: see ``fp_solvers.solve`` (the backward calls ``f``
+            without ``active``).
         backward: ``ift`` (default), ``phantom``, ``one_step`` or ``bptt`` (see the module docstring).
         backward_kwargs: options of the backward mode: ``ift``: ``solver``, ``tol``, ``max_iter``,
             ``solver_kwargs``, ``mask``, ``clip``; ``phantom``: ``steps``, ``damping``; ``bptt``: ``steps``,
@@ -218,7 +219,8 @@ def fixed_point(
     z_star, stats = solve(f, z0, args=args, solver=solver, tol=tol, stop_mode=stop_mode, norm=norm,
                           max_iter=max_iter, min_iter=min_iter, batch_dims=batch_dims, stop_fraction=stop_fraction,
                           return_mode=return_mode, compact=compact, track_trace=track_trace,
-                          solver_kwargs=solver_kwargs, check=check, pass_active=pass_active)
+                          solver_kwargs=solver_kwargs, check=check, pass_active=pass_active,
+                          row_mask=row_mask)
     if not torch.is_grad_enabled():
         return z_star, stats
     args = tuple(args)

@@ -7,10 +7,15 @@ alpha_2 alpha_1^(2L)``). Iterations per sample are adaptive: a puzzle stops when
 per-token relative l-inf residual, ``fp_norm="token_linf"``) falls below ``fp_tol``, when its step size decays
 below ``min_step`` or at the iteration cap.
 
-Two ways to run it:
-* one call without ``state``: a full solve with ``fixed_point`` (any solver and backward mode), used at evaluation;
-* deep supervision (``state`` carried between calls, training): each call runs ``bptt_window`` solver steps with
-  gradient from the carried state (truncated BPTT), per-sample halting, and returns the detached state.
+``solve_mode="official"`` (default) follows the research code:
+* deep supervision (``state`` carried between calls, training): each call runs ``bptt_window`` solver steps on every
+  puzzle with gradient from the carried state (truncated BPTT); halting is decided after the window;
+* evaluation: one solver step per call with a carried state, the whole batch halting once every puzzle converged;
+  a call without a state steps until then (in training: one window from a fresh state). The output is the damped
+  iterate ``y``.
+``solve_mode="per_sample"``: a call without a state is a full solve with ``fixed_point`` (any solver and backward
+mode, stopping per puzzle, output ``f(y)``); training windows freeze the puzzles that converged.
+Padding positions (``pad_id``) are left out of the ``token_linf`` residual.
 """
 
 from dataclasses import dataclass
@@ -98,7 +103,7 @@ class FPRMModel(FPRMPreTrainedModel):
             for module in self.layers.modules():
                 if isinstance(module, nn.Linear):
                     nn.utils.parametrizations.spectral_norm(module)
-        self.conv = (ShortConv(c.hidden_size, c.conv, c.conv_kernel, c.puzzle_emb_len, c.grid_shape, c.causal)
+        self.conv = (ShortConv(c.hidden_size, c.conv, c.conv_kernel, c.puzzle_emb_len, c.grid_shape, c.conv_skip)
                      if c.conv != "none" else None)
         logits = self._alpha_logits()
         if c.residual_scale == "learned":
@@ -119,7 +124,7 @@ class FPRMModel(FPRMPreTrainedModel):
     def step_map(self, y, x):
         """``f(y; x)``: short conv of the grid, injection ``alpha_2 y + beta_2 x``, the scaled pre-norm blocks."""
         if self.conv is not None:
-            y = y + self.conv(y)
+            y = self.conv(y)
         a1, a2, b1, b2 = (t.to(y.dtype) for t in self.residual_scales())
         h = a2 * y + b2 * x
         rope = self.trunk.rope(h.shape[1])
@@ -129,13 +134,24 @@ class FPRMModel(FPRMPreTrainedModel):
 
     def _solver(self, fp_overrides):
         """``fixed_point`` arguments; at evaluation every puzzle must converge (``fp_stop_fraction`` is a training
-        rule) and ``fpopt`` decays its step size by ``eval_step_decay``."""
+        rule) and ``fpopt`` decays its step size by ``eval_step_decay``; ``fpopt`` decays only while the residual is
+        at least ``fp_tol`` (the research code's ``fp_thresh``)."""
         kw = fixed_point_kwargs(self.config, self.training, fp_overrides)
+        if kw["solver"] == "fpopt":
+            kw["solver_kwargs"] = {"threshold": kw["tol"], **(kw["solver_kwargs"] or {})}
         if not self.training:
             kw["stop_fraction"] = 0.0
             if kw["solver"] == "fpopt":
-                kw["solver_kwargs"] = {"decay": self.config.eval_step_decay, **(kw["solver_kwargs"] or {})}
+                kw["solver_kwargs"] = {"decay": self.config.eval_step_decay, **kw["solver_kwargs"]}
         return kw
+
+    def residual_mask(self, input_ids):
+        """``(B, P + L)`` bool: the positions whose residual counts (all but padding), or None (every position)."""
+        c = self.config
+        if c.pad_id is None or c.fp_norm != "token_linf":
+            return None
+        keep = input_ids != c.pad_id
+        return torch.cat([keep.new_ones(keep.shape[0], c.puzzle_emb_len), keep], dim=1)
 
     def fresh_state(self, batch_size: int, device, seq_len: int) -> dict:
         """Initial ``y`` (noise or the fixed vector) and the window solver's per-sample state."""
@@ -144,14 +160,17 @@ class FPRMModel(FPRMPreTrainedModel):
         dtype = self.trunk.dtype
         if c.init_mode == "fixed":
             y = self.y_init.to(device, dtype).expand(batch_size, S, D).clone()
-        elif self.training:
-            y = (torch.randn(batch_size, S, D, device=device) * c.init_std).to(dtype)
         else:
             # Evaluation: one draw from the seeded generator, shared by every slot, so a puzzle's output does not
-            # depend on the batch it is in (nor on its slot). A batch of one gets the same noise as before.
-            g = torch.Generator(device=device).manual_seed(c.seed)
-            y = (torch.randn(1, S, D, generator=g, device=device) * c.init_std).to(dtype).expand(batch_size, S, D)
-            y = y.clone()
+            # depend on the batch it is in (nor on its slot).
+            g = None if self.training else torch.Generator(device=device).manual_seed(c.seed)
+            n = batch_size if self.training else 1
+            noise = torch.empty(n, S, D, device=device)
+            if c.init_noise == "truncated":
+                trunc_normal_(noise, std=c.init_std, generator=g)
+            else:
+                noise = torch.randn(n, S, D, generator=g, device=device) * c.init_std
+            y = noise.to(dtype).expand(batch_size, S, D).clone()
         state = {"y": y, "iterations": torch.zeros(batch_size, dtype=torch.long, device=device)}
         kw = self._solver(None)
         if kw["solver"] in WINDOW_SOLVERS:
@@ -160,30 +179,69 @@ class FPRMModel(FPRMPreTrainedModel):
             state.update({f"solver_{k}": v for k, v in algo.state.items()})
         return state
 
-    def _window(self, x, state, kw):
-        """``bptt_window`` solver steps with gradient from the carried state; per-sample halting."""
+    @staticmethod
+    def _window_solver(kw, state):
+        """The carried solver (its per-sample state comes from ``state``)."""
         if kw["solver"] not in WINDOW_SOLVERS:
             raise ValueError(f"deep-supervision windows need fp_solver in {WINDOW_SOLVERS}; got {kw['solver']!r} "
                              "(other solvers run in single-call mode, without a carried state).")
-        B = x.shape[0]
         algo = SOLVERS.get(kw["solver"])(**(kw["solver_kwargs"] or {}))
         algo.state = {k[len("solver_"):]: v for k, v in state.items() if k.startswith("solver_")}
+        return algo
+
+    def _step(self, algo, y, x, kw, mask, k):
+        """One solver step on every puzzle: ``(next iterate, f(y), residual of y)``."""
+        B = y.shape[0]
+        fy = self.step_map(y, x)
+        g = (fy - y).reshape(B, -1)
+        res = _residual(g.detach(), fy.detach().reshape(B, -1), kw["stop_mode"], kw["norm"], y.shape[-1],
+                        mask).float()
+        if not torch.isfinite(res).all():
+            raise FloatingPointError("FPRM produced NaN/Inf residuals; lower the learning rate.")
+        if hasattr(algo, "observe"):
+            algo.observe(res)
+        return algo.step(y.reshape(B, -1), fy.reshape(B, -1), g, k).view_as(y), fy, res
+
+    def _official(self, x, state, kw, mask, until_halt):
+        """The research code's steps: a training window of ``bptt_window`` steps on every puzzle, halting decided
+        after it; at evaluation one step (or, ``until_halt``, steps until the batch halts), the batch halting at
+        once. Returns the dict ``inner`` returns, with the damped iterate as ``h``."""
+        algo = self._window_solver(kw, state)
+        y, total = state["y"], state["iterations"]
+        n = self.config.bptt_window if self.training else (kw["max_iter"] if until_halt else 1)
+        k = 0
+        for k in range(1, n + 1):
+            y, _, res = self._step(algo, y, x, kw, mask, k)
+            halted = algo.halted()
+            stalled = torch.zeros_like(res, dtype=torch.bool) if halted is None else halted
+            done = (res < kw["tol"]) | stalled | (total + k >= kw["max_iter"])
+            if not self.training and (bool(done.all()) or not until_halt):
+                break
+        used = torch.full_like(total, k)
+        stats = FixedPointStats(nstep=used, residual=res, converged=res < kw["tol"], nfe=k, solver=kw["solver"],
+                                tol=kw["tol"], stop_mode=kw["stop_mode"])
+        out = {"h": y, "x": x, "stats": stats, "iterations": used,
+               "state": {"y": y.detach(), "iterations": total + used,
+                         **{f"solver_{key}": v.detach() for key, v in algo.state.items()}}}
+        if self.training:
+            out["done"] = done
+        else:  # the whole batch halts together
+            out["halt"] = done.all().expand_as(done)
+        return out
+
+    def _window(self, x, state, kw, mask):
+        """``bptt_window`` solver steps with gradient from the carried state; per-sample halting."""
+        B = x.shape[0]
+        algo = self._window_solver(kw, state)
         y, total = state["y"], state["iterations"]
         used = torch.zeros_like(total)
         res = torch.full((B,), float("inf"), device=x.device)
         done = total >= kw["max_iter"]
         k = 0
         for k in range(1, self.config.bptt_window + 1):
-            fy = self.step_map(y, x)
-            g = (fy - y).reshape(B, -1)
-            res = torch.where(done, res, _residual(g.detach(), fy.detach().reshape(B, -1), kw["stop_mode"],
-                                                   kw["norm"], y.shape[-1]).float())
-            if not torch.isfinite(res).all():
-                raise FloatingPointError("FPRM window produced NaN/Inf residuals; lower the learning rate.")
-            if hasattr(algo, "observe"):
-                algo.observe(res)
+            step, _, step_res = self._step(algo, y, x, kw, mask, k)
+            res = torch.where(done, res, step_res)
             used = used + (~done).long()
-            step = algo.step(y.reshape(B, -1), fy.reshape(B, -1), g, k).view_as(y)
             y = torch.where(done[:, None, None], y, step)
             halted = algo.halted()
             done = done | (res < kw["tol"]) | (total + used >= kw["max_iter"])
@@ -201,10 +259,15 @@ class FPRMModel(FPRMPreTrainedModel):
         """The dict ``puzzle_step`` reads: ``h, state, stats, done, iterations`` (see the module docstring)."""
         x = self.trunk.embed(input_ids, puzzle_identifiers)
         kw = self._solver(fp_overrides)
+        mask = self.residual_mask(input_ids)
+        if self.config.solve_mode == "official":
+            until_halt = state is None
+            state = self.fresh_state(x.shape[0], x.device, input_ids.shape[1]) if state is None else state
+            return self._official(x, state, kw, mask, until_halt)
         if state is not None and self.training and torch.is_grad_enabled():
-            return self._window(x, state, kw)
+            return self._window(x, state, kw, mask)
         new_state = self.fresh_state(x.shape[0], x.device, input_ids.shape[1]) if state is None else dict(state)
-        y, stats = fixed_point(self.step_map, new_state["y"], args=(x,), **kw)
+        y, stats = fixed_point(self.step_map, new_state["y"], args=(x,), row_mask=mask, **kw)
         new_state.update(y=y.detach(), iterations=new_state["iterations"] + stats.nstep)
         return {"h": y, "x": x, "state": new_state, "stats": stats, "done": stats.converged,
                 "iterations": stats.nstep}

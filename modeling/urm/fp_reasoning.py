@@ -38,7 +38,8 @@ IGNORE_INDEX = -100
 # Layers
 
 
-def trunc_normal_(t: torch.Tensor, std: float = 1.0, lower: float = -2.0, upper: float = 2.0) -> torch.Tensor:
+def trunc_normal_(t: torch.Tensor, std: float = 1.0, lower: float = -2.0, upper: float = 2.0,
+                  generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Truncated normal on ``[lower, upper]`` standard deviations, rescaled so the *actual* std is ``std``.
 
     One ``nn.init`` call, so that transformers' ``from_pretrained`` (which guards ``nn.init`` while it fills missing
@@ -54,13 +55,13 @@ def trunc_normal_(t: torch.Tensor, std: float = 1.0, lower: float = -2.0, upper:
         pdf_l = math.exp(-(lower**2) / 2) / math.sqrt(2 * math.pi)
         var = 1 - (upper * pdf_u - lower * pdf_l) / z - ((pdf_u - pdf_l) / z) ** 2
         scale = std / math.sqrt(var)
-        nn.init.trunc_normal_(t, mean=0.0, std=scale, a=lower * scale, b=upper * scale)
+        nn.init.trunc_normal_(t, mean=0.0, std=scale, a=lower * scale, b=upper * scale, generator=generator)
         return t
 
 
 def rms_norm(x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
-    """Parameter-free RMS norm computed in float32 and cast back (as in TRM/HRM/URM)."""
-    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    """Parameter-free RMS norm computed in (at least) float32 and cast back (as in TRM/HRM/URM)."""
+    return F.rms_norm(x.to(torch.promote_types(x.dtype, torch.float32)), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 class CastedLinear(nn.Linear):
@@ -120,7 +121,12 @@ class ConvSwiGLU(SwiGLU):
 
 
 class SequenceMLP(nn.Module):
-    """TRM's ``mlp_t``: a SwiGLU over the *sequence* axis, used in place of attention."""
+    """TRM's ``mlp_t``: a SwiGLU over the *sequence* axis, used in place of attention.
+
+    As in the research code the block around it works on the transposed state, so its RMS norm is taken over the
+    sequence axis too (``norm_dim = 1``; see ``ReasoningBlock``)."""
+
+    norm_dim = 1
 
     def __init__(self, seq_len: int, expansion: float, multiple_of: int):
         super().__init__()
@@ -147,9 +153,11 @@ class Attention(nn.Module):
     def forward(self, x, rope=None):
         B, T, D = x.shape
         q, k, v = self.qkv_proj(x).view(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        if rope is not None:
+        if rope is not None:  # rotated in (at least) float32 and cast back, as in the research code's bf16 runs
             cos, sin, apply_rotary = rope
-            q, k = apply_rotary(q, k, cos.to(q.dtype), sin.to(q.dtype), unsqueeze_dim=0)
+            wide = torch.promote_types(q.dtype, torch.float32)
+            qr, kr = apply_rotary(q.to(wide), k.to(wide), cos.to(wide), sin.to(wide), unsqueeze_dim=0)
+            q, k = qr.to(q.dtype), kr.to(k.dtype)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, D))
 
@@ -165,17 +173,18 @@ def rotary_tables(head_dim: int, max_positions: int, base: float = 10000.0):
 class ShortConv(nn.Module):
     """FPRM's short depthwise convolution over the grid part of the state (the puzzle prefix bypasses it).
 
-    ``kind="1d"``: kernel ``kernel_size`` over the flattened row-major sequence ("same" padding, or with ``causal``
-    left padding so position ``t`` reads ``t - kernel_size + 1 .. t``, as in FPRM's state-tracking model).
-    ``kind="2d"``: ``kernel_size x kernel_size`` over the ``grid_shape`` grid. No bias. Returns the convolution only;
-    the caller adds it to the state.
+    ``kind="1d"``: kernel ``kernel_size`` over the flattened row-major sequence, always causal (left padded: position
+    ``t`` reads ``t - kernel_size + 1 .. t``), as in the research code. ``kind="2d"``: ``kernel_size x kernel_size``
+    ("same" padding) over the ``grid_shape`` grid. No bias. Returns the state with its grid part replaced by the
+    convolution (the prefix unchanged), as the research code does; with ``skip`` the grid part becomes
+    ``grid + conv(grid)`` instead (same maps, other initialization and weight decay).
     """
 
     def __init__(self, hidden_size: int, kind: str, kernel_size: int, prefix_len: int, grid_shape=None,
-                 causal: bool = False):
+                 skip: bool = False):
         super().__init__()
         check_choice(kind, "conv", CONV_KINDS[1:])  # causal with "2d" is rejected by check_puzzle_config
-        self.kind, self.prefix_len, self.causal = kind, prefix_len, causal
+        self.kind, self.prefix_len, self.skip = kind, prefix_len, skip
         self.grid_shape = tuple(grid_shape) if grid_shape is not None else None
         conv = nn.Conv1d if kind == "1d" else nn.Conv2d
         self.conv = conv(hidden_size, hidden_size, kernel_size, padding="same", groups=hidden_size, bias=False)
@@ -184,17 +193,15 @@ class ShortConv(nn.Module):
         grid = h[:, self.prefix_len:]
         B, T, D = grid.shape
         w = self.conv.weight.to(h.dtype)
-        if self.kind == "1d" and self.causal:
+        if self.kind == "1d":
             out = F.conv1d(F.pad(grid.transpose(1, 2), (w.shape[-1] - 1, 0)), w, groups=D).transpose(1, 2)
-        elif self.kind == "1d":
-            out = F.conv1d(grid.transpose(1, 2), w, padding="same", groups=D).transpose(1, 2)
         else:
             rows, cols = self.grid_shape
             if rows * cols != T:
                 raise ValueError(f"grid_shape={self.grid_shape} does not cover the {T} non-prefix positions.")
             img = grid.transpose(1, 2).reshape(B, D, rows, cols)
             out = F.conv2d(img, w, padding="same", groups=D).reshape(B, D, T).transpose(1, 2)
-        return torch.cat([torch.zeros_like(h[:, : self.prefix_len]), out], dim=1)
+        return torch.cat([h[:, : self.prefix_len], grid + out if self.skip else out], dim=1)
 
 
 class ReasoningBlock(nn.Module):
@@ -203,6 +210,7 @@ class ReasoningBlock(nn.Module):
     ``post``-norm (TRM/HRM/URM): ``h = norm(h + mixer(h)); h = norm(h + mlp(h))``.
     ``pre``-norm (FPRM): ``h = a * h + b * mixer(norm(h)); h = a * h + b * mlp(norm(h))`` with the residual scales
     ``(a, b)`` passed in (``None``: 1 and 1, a plain pre-norm residual).
+    The mixer's norm is over its ``norm_dim`` (the hidden axis; the sequence axis for ``SequenceMLP``).
     """
 
     def __init__(self, mixer: nn.Module, mlp: nn.Module, norm: str = "post", eps: float = 1e-5):
@@ -210,14 +218,22 @@ class ReasoningBlock(nn.Module):
         check_choice(norm, "norm", NORM_PLACEMENTS)
         self.mixer, self.mlp, self.norm, self.eps = mixer, mlp, norm, eps
 
+    def _mixer_norm(self, h):
+        if getattr(self.mixer, "norm_dim", -1) == 1:
+            return rms_norm(h.transpose(1, 2), self.eps).transpose(1, 2)
+        return rms_norm(h, self.eps)
+
     def forward(self, h, rope=None, scale=None):
         if self.norm == "post":
-            h = rms_norm(h + self.mixer(h, rope), self.eps)
+            h = self._mixer_norm(h + self.mixer(h, rope))
             return rms_norm(h + self.mlp(h), self.eps)
-        for sub in (lambda t: self.mixer(t, rope), self.mlp):
-            out = sub(rms_norm(h, self.eps))
+        for sub, norm in ((lambda t: self.mixer(t, rope), self._mixer_norm), (self.mlp, self._norm)):
+            out = sub(norm(h))
             h = h + out if scale is None else scale[0] * h + scale[1] * out
         return h
+
+    def _norm(self, h):
+        return rms_norm(h, self.eps)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -508,8 +524,10 @@ def puzzle_step(base, heads, *, input_ids, puzzle_identifiers=None, labels=None,
 
     ``base.inner(input_ids, puzzle_identifiers, state, fp_overrides)`` returns a dict: ``h`` the full state
     ``(B, P + L, D)`` the heads read, ``x`` the input injection (same shape), ``state`` the detached state to carry,
-    ``stats`` the solve's ``FixedPointStats``, ``done`` an optional per-sample halting signal, ``iterations`` the
-    inner-map evaluations per sample and ``aux_loss`` an optional regularizer added to the loss. Without ``carry``
+    ``stats`` the solve's ``FixedPointStats``, ``done`` an optional per-sample halting signal (training), ``halt`` an
+    optional halting decision that replaces ``act_halt``'s (FPRM's research-code evaluation halts the whole batch at
+    once), ``iterations`` the inner-map evaluations per sample and ``aux_loss`` an optional regularizer added to the
+    loss. Without ``carry``
     it is a single call from the fresh state; with ``carry`` the deep-supervision carry is reset for halted slots,
     advanced and returned. Returns a dict with ``logits, q_halt_logits, loss, metrics, carry, fp_stats,
     iterations`` and ``inner`` (the dict ``base.inner`` returned).
@@ -532,6 +550,8 @@ def puzzle_step(base, heads, *, input_ids, puzzle_identifiers=None, labels=None,
         steps = carry["steps"] + 1
         iterations = carry["iterations"] + iterations
         halted = act_halt(steps, q_halt.detach(), halt_max_steps, training, exploration_prob, out.get("done"))
+        if out.get("halt") is not None:
+            halted = out["halt"]
         carry = {"state": out["state"], "steps": steps, "iterations": iterations, "halted": halted, "data": data}
     loss = metrics = None
     if labels is not None:

@@ -88,10 +88,66 @@ def test_layer_helpers():
     conv = ShortConv(2, "2d", 3, prefix_len=1, grid_shape=(2, 3)).double()
     h = torch.randn(1, 7, 2, dtype=torch.float64)
     out = conv(h)
-    assert out[:, 0].abs().max() == 0  # the prefix bypasses the convolution
+    torch.testing.assert_close(out[:, 0], h[:, 0], rtol=0, atol=0)  # the prefix bypasses the convolution
     img = h[:, 1:].transpose(1, 2).reshape(1, 2, 2, 3)
     ref = F.conv2d(img, conv.conv.weight, padding=1, groups=2).reshape(1, 2, 6).transpose(1, 2)
     torch.testing.assert_close(out[:, 1:], ref)
     with pytest.raises(ValueError, match="does not cover"):
         conv(torch.randn(1, 5, 2, dtype=torch.float64))
     assert math.isclose(float(ShortConv(2, "1d", 4, 0)(torch.ones(1, 6, 2)).shape[1]), 6)
+
+
+def test_one_d_conv_is_causal_float64():
+    # The research code's Conv1d(padding=k-1) truncated to the first T outputs: position t reads t-k+1 .. t.
+    torch.manual_seed(0)
+    conv = ShortConv(3, "1d", 4, prefix_len=2).double()
+    h = torch.randn(2, 9, 3, dtype=torch.float64)
+    out = conv(h)
+    grid = h[:, 2:].transpose(1, 2)
+    ref = F.conv1d(grid, conv.conv.weight, padding=3, groups=3)[..., :7].transpose(1, 2)
+    torch.testing.assert_close(out[:, 2:], ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out[:, :2], h[:, :2], rtol=0, atol=0)
+    late = h.clone()
+    late[:, -1] += 1.0  # changing the last position leaves every earlier output as it was
+    torch.testing.assert_close(conv(late)[:, :-1], out[:, :-1], rtol=0, atol=0)
+    skip = ShortConv(3, "1d", 4, prefix_len=2, skip=True).double()
+    skip.load_state_dict(conv.state_dict())
+    torch.testing.assert_close(skip(h)[:, 2:], h[:, 2:] + ref, rtol=1e-12, atol=1e-12)
+
+
+def test_sequence_mlp_block_normalizes_over_the_sequence_float64():
+    # TRM's mlp_t block on h (B, T, D): u = h^T (B, D, T); u = rms_norm_T(u + swiglu_T(u)); back to (B, T, D); then
+    # the hidden-axis MLP with its post-norm. The RMS of each (sample, channel) over the T positions is 1 after the
+    # token-mixing half.
+    from hf_fixedpoint.core.fp_reasoning import ReasoningBlock, SequenceMLP, SwiGLU
+
+    torch.manual_seed(0)
+    mixer, mlp = SequenceMLP(5, 4.0, 8), SwiGLU(6, 16)
+    block = ReasoningBlock(mixer, mlp, "post").double()
+    h = torch.randn(2, 5, 6, dtype=torch.float64)
+
+    def rms(t):
+        return t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + 1e-5)
+
+    u = h.transpose(1, 2)
+    u = rms(u + mixer.mlp(u)).transpose(1, 2)
+    ref = rms(u + mlp(u))
+    torch.testing.assert_close(block(h), ref, rtol=1e-12, atol=1e-12)
+
+
+def test_rotary_in_float32_for_bfloat16_activations():
+    # The research code runs bf16 activations but rotates q and k in float32 (its cos/sin tables) and casts back.
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from hf_fixedpoint.core.fp_reasoning import Attention, rotary_tables
+
+    torch.manual_seed(0)
+    att = Attention(32, 2)
+    x = torch.randn(2, 50, 32).bfloat16()
+    cos, sin = rotary_tables(16, 50)
+    got = att(x, (cos, sin, apply_rotary_pos_emb))
+    q, k, v = att.qkv_proj(x).view(2, 50, 3, 2, 16).permute(2, 0, 3, 1, 4)
+    qr, kr = apply_rotary_pos_emb(q.float(), k.float(), cos, sin, unsqueeze_dim=0)
+    out = F.scaled_dot_product_attention(qr.bfloat16(), kr.bfloat16(), v)
+    ref = att.o_proj(out.transpose(1, 2).reshape(2, 50, 32))
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)

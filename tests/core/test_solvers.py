@@ -124,6 +124,44 @@ def test_fpopt_decays_step_and_halts_on_oscillation():
     assert bool(s.converged.all()) or int(s.nstep.max()) < 500
 
 
+def official_fpopt(f, y, steps, s0=1.0, patience=5, decay=0.9, thresh=0.0):
+    """FPRM's FixedPointOptimizer, written out: residual of y, step with the current size, then the patience /
+    decay bookkeeping (the decay acts from the next step on, and only while the residual is >= thresh)."""
+    s = torch.full((y.shape[0], 1), s0, dtype=y.dtype)
+    best = torch.full((y.shape[0],), math.inf, dtype=y.dtype)
+    pat = torch.full((y.shape[0],), float(patience), dtype=y.dtype)
+    for _ in range(steps):
+        fy = f(y)
+        res = (y - fy).abs().amax(-1) / (fy.abs().amax(-1) + 1e-9)
+        y = s * fy + (1 - s) * y
+        improved = res < best
+        best = torch.where(improved, res, best)
+        pat = torch.where(improved, float(patience), pat - 1)
+        adapt = (pat <= 0) & (res >= thresh)
+        pat = torch.where(adapt, float(patience), pat)
+        s = torch.where(adapt[:, None], s * decay, s)
+    return y
+
+
+@pytest.mark.parametrize("thresh", [0.0, 0.5])
+def test_fpopt_steps_with_the_old_step_size_then_decays_float64(thresh):
+    # A rotation-like linear map that never converges: the step size decays every `patience` steps. solve returns
+    # f(z_{K-1}) after K evaluations (the image of the last iterate), so z_{K-1} = f^{-1}(out) is compared with the
+    # official optimizer's iterate after K - 1 steps. Deciding the decay before the step (the old order) moves
+    # z_2 already with the decayed size.
+    torch.manual_seed(0)
+    A = torch.tensor([[0.0, -1.1], [1.1, 0.0]], dtype=torch.float64)
+    f = lambda z: z @ A.T + 0.0
+    z0 = torch.randn(3, 2, dtype=torch.float64)
+    for K in (2, 3, 4, 7, 12):
+        out, _ = solve(f, z0, solver="fpopt", tol=1e-12, stop_mode="rel", norm="linf", max_iter=K,
+                       return_mode="last", solver_kwargs={"patience": 1, "decay": 0.5, "min_step": 0.0,
+                                                          "threshold": thresh})
+        z_last = torch.linalg.solve(A, out.T).T
+        torch.testing.assert_close(z_last, official_fpopt(f, z0, K - 1, patience=1, decay=0.5, thresh=thresh),
+                                   rtol=1e-12, atol=1e-12)
+
+
 def test_fpopt_halts_entries_whose_step_vanishes():
     # An expanding map never improves: the step shrinks to min_step and the entry halts, unconverged.
     f = lambda z: 2 * z + 1
@@ -261,3 +299,22 @@ def test_token_linf_solves_to_the_exact_fixed_point(solver):
     z, stats = solve(g, torch.zeros(4, 2, 4, dtype=torch.float64), args=(x.detach(),), solver=solver,
                      norm="token_linf", tol=1e-12, max_iter=2000)
     assert stats.converged.all() and (z.reshape(4, 8) - ref).abs().max() < 1e-9
+
+
+def test_token_linf_row_mask_leaves_padding_out_float64():
+    # Rows 0-1 of each sample contract to 2b; row 2 (padding) oscillates forever. Counting it, nothing converges;
+    # masked out, the samples converge to the exact fixed point of their real rows.
+    b = torch.tensor([1.0, -2.0], dtype=torch.float64)
+
+    def f(z):
+        return torch.cat([0.5 * z[:, :2] + b, 1.0 - z[:, 2:]], dim=1)
+
+    z0 = torch.zeros(2, 3, 2, dtype=torch.float64)
+    _, s = solve(f, z0, solver="picard", tol=1e-10, norm="token_linf", max_iter=200)
+    assert not s.converged.any()
+    mask = torch.tensor([[True, True, False]] * 2)
+    z, s = solve(f, z0, solver="picard", tol=1e-10, norm="token_linf", max_iter=200, row_mask=mask)
+    assert s.converged.all()
+    torch.testing.assert_close(z[:, :2], (2 * b).expand(2, 2, 2), rtol=1e-9, atol=1e-9)
+    with pytest.raises(ValueError, match="row_mask must be a bool tensor of shape"):
+        solve(f, z0, solver="picard", norm="l2", row_mask=mask)

