@@ -4,6 +4,8 @@ it is run for more loops than it was trained with.
     accelerate launch recipes/stars_ouro.py                     # the embedded default (below), a few minutes on CPU
     python -m recipes.stars_ouro --output_dir runs/stars_ouro   # the same in one process
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 recipes/stars_ouro.py   # 2-process CPU DDP
+    accelerate launch --config_file recipes/configs/fsdp.yaml recipes/stars_ouro.py --reg_product jvp \
+        --model <dir> --dataset <file>                         # FSDP2 on GPUs (see docs/scale-out.md)
 
 Default (no --model): the paper's section-4 testbed at CPU scale. A tiny Ouro-architecture model (one weight-tied layer
 looped ``train_loops`` times, sandwich norms, final norm after every loop) is trained from scratch on generated
@@ -31,7 +33,7 @@ from typing import Optional
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import DataLoaderConfiguration, set_seed
+from accelerate.utils import DataLoaderConfiguration, DistributedType, set_seed
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, PreTrainedTokenizerFast
@@ -132,6 +134,17 @@ def check_args(args):
     sampler(args)  # unknown sampler names / options raise here
     regularizer(args)
     eval_loop_counts(args)
+
+
+def check_engine(args, accelerator):
+    """What the launch engine allows: under FSDP the JSRR must use the forward-mode product. The reverse-mode products
+    (vjp, double_backward) run a backward pass inside the forward, which fires FSDP's backward hooks (gradient
+    reduce-scatter) early; the run then crashes in the real backward (measured with FSDP2 on CPU, tests/recipes/
+    test_fsdp.py)."""
+    if (accelerator.distributed_type == DistributedType.FSDP and args.reg_weight > 0
+            and args.reg_product != "jvp"):
+        raise ValueError(f"--reg_product {args.reg_product} cannot run under FSDP (its backward pass inside the "
+                         "forward fires FSDP's gradient hooks early); use --reg_product jvp (the paper's product).")
 
 
 def sampler(args):
@@ -480,6 +493,7 @@ def main(argv=None):
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=accumulate,
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True,
                                                                         data_seed=args.seed))
+    check_engine(args, accelerator)
     accelerator.print(f"args: {json.dumps(asdict(args))}")
     accelerator.print(f"processes: {accelerator.num_processes} ({accelerator.distributed_type})")
     if args.model is None:

@@ -197,5 +197,14 @@ class DEQLMForCausalLM(DEQLMPreTrainedModel, GenerationMixin):
         # No KV cache: a fixed point is recomputed over the whole prefix at every step (positions from the mask).
         return {"input_ids": input_ids, "attention_mask": attention_mask, "fp_overrides": fp_overrides}
 
+    def generate(self, *args, **kwargs):
+        """``GenerationMixin.generate``; assisted decoding is refused with the reason (it checks the candidate tokens
+        against a KV cache it crops back, and DEQ-LM keeps none)."""
+        if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens"):
+            raise ValueError("DEQ-LM cannot do assisted decoding: it keeps no KV cache (each step solves the fixed "
+                             "point over the whole prefix), and assisted decoding crops the cache back to the "
+                             "accepted candidate tokens. Generate without assistant_model / prompt_lookup_num_tokens.")
+        return super().generate(*args, **kwargs)
+
 
 __all__ = ["DEQLMForCausalLM", "DEQLMModel", "DEQLMPreTrainedModel"]
