@@ -49,6 +49,7 @@ from .fp_fpsa import (
     FPSAHaltingGate,
     FPSAHeadMixin,
     FPSAStats,
+    FPSAStatsSink,
     apply_spectral_norm,
     fpsa_attention,
     init_fpsa_weights,
@@ -202,7 +203,7 @@ class FPSABertModel(FPSABertPreTrainedModel, BertModel):
         kwargs["return_dict"] = True
         out = super().forward(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
                               position_ids=position_ids, inputs_embeds=inputs_embeds, fpsa_fp_kwargs=fp_kwargs,
-                              fpsa_stats=stats, **kwargs)
+                              fpsa_stats=FPSAStatsSink(stats), **kwargs)
         return FPSABertModelOutput(**out, fp_stats=stats)
 
 

@@ -727,6 +727,22 @@ def init_fpsa_weights(model: nn.Module, module: nn.Module) -> None:
         warm_up_spectral_norm(owner)
 
 
+class FPSAStatsSink:
+    """What an FPSA model hands its layers (``fpsa_stats=``) in place of its ``FPSAStats``: ``add`` records into that
+    ``FPSAStats``, and the sink is not a dataclass. Engines that rebuild the dataclasses found in a module's inputs to
+    hook the tensors inside them (FSDP2 does, to register its post-backward hook on each sharded layer) would otherwise
+    hand every layer a copy once a recorded Jacobian penalty (a tensor that requires grad) is inside, and the later
+    layers' results would land in the copies."""
+
+    __slots__ = ("stats",)
+
+    def __init__(self, stats: FPSAStats):
+        self.stats = stats
+
+    def add(self, result: "FPSAResult", layer: Optional[nn.Module] = None) -> None:
+        self.stats.add(result, layer=layer)
+
+
 class FPSAHeadMixin:
     """Put before a transformers head class (``BertForX``, ``ViTForX``) whose base model is an FPSA model: runs the
     head's own ``forward`` with an ``FPSAStats`` threaded through the base model, returns ``output_class`` (the head's
@@ -804,6 +820,7 @@ __all__ = [
     "FPSAHeadMixin",
     "FPSAResult",
     "FPSAStats",
+    "FPSAStatsSink",
     "apply_spectral_norm",
     "check_decoder_fpsa",
     "check_fpsa_settings",

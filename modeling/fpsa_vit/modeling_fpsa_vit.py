@@ -30,6 +30,7 @@ from .fp_fpsa import (
     FPSAHaltingGate,
     FPSAHeadMixin,
     FPSAStats,
+    FPSAStatsSink,
     apply_spectral_norm,
     fpsa_attention,
     init_fpsa_weights,
@@ -150,7 +151,7 @@ class FPSAViTModel(FPSAViTPreTrainedModel, ViTModel):
         out = super().forward(pixel_values, bool_masked_pos=bool_masked_pos,
                               interpolate_pos_encoding=interpolate_pos_encoding, attention_mask=attention_mask,
                               fpsa_fp_kwargs=fixed_point_kwargs(self.config, self.training, fp_overrides),
-                              fpsa_stats=stats, **kwargs)
+                              fpsa_stats=FPSAStatsSink(stats), **kwargs)
         return FPSAViTModelOutput(**out, fp_stats=stats)
 
 

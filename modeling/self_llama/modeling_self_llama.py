@@ -36,7 +36,7 @@ from transformers.utils.generic import can_return_tuple
 from .configuration_self_llama import SelfLlamaConfig
 from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_compat import CACHE_NAME, attention_function, pop_cache, require_dynamic_cache
-from .fp_fpsa import FPSAStats, fpsa_decoder_attention, init_fpsa_weights, with_jac_penalty
+from .fp_fpsa import FPSAStats, FPSAStatsSink, fpsa_decoder_attention, init_fpsa_weights, with_jac_penalty
 from .fp_halting import ACTAccumulator  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_jacobian import jacobian_frobenius  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_registry import check_number  # noqa: F401  (see vendor.direct_import_problems)
@@ -179,7 +179,7 @@ class SelfLlamaModel(SelfLlamaPreTrainedModel, LlamaModel):
                               inputs_embeds=inputs_embeds, use_cache=use_cache, return_dict=True,
                               **{CACHE_NAME: past_key_values},
                               fpsa_fp_kwargs=fixed_point_kwargs(self.config, self.training, fp_overrides),
-                              fpsa_stats=stats, **kwargs)
+                              fpsa_stats=FPSAStatsSink(stats), **kwargs)
         return SelfLlamaModelOutputWithPast(**out, fp_stats=stats)
 
 
