@@ -105,18 +105,27 @@ class LoopDepthWarning(UserWarning):
     """A call ran more loops than the model was trained with, and its state is not settling."""
 
 
+@torch.no_grad()
 def loop_change(states, attention_mask=None) -> Optional[torch.Tensor]:
     """``(B, T - 1)`` relative change of each sequence's state between consecutive loops over its valid tokens (the
-    last ``S`` columns of a 2-d ``attention_mask``); None for one loop."""
+    last ``S`` columns of a 2-d ``attention_mask``); None for one loop. A diagnostic: no graph, one pair of loop
+    states at a time (no stacked copy of every loop)."""
     if len(states) < 2:
         return None
     dtype = torch.promote_types(states[0].dtype, torch.float32)
-    h = torch.stack(states, dim=1).to(dtype)  # (B, T, S, D)
+    keep = None
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:  # not generate's prepared mask dict
-        h = h * attention_mask[:, None, -h.shape[2]:, None].to(dtype)
-    diff = torch.linalg.vector_norm((h[:, 1:] - h[:, :-1]).flatten(2), dim=-1)
-    base = torch.linalg.vector_norm(h[:, :-1].flatten(2), dim=-1)
-    return diff / base.clamp_min(torch.finfo(dtype).tiny)
+        keep = attention_mask[:, -states[0].shape[1]:, None].to(dtype)
+
+    def valid(x):  # in at least float32, padding zeroed
+        return x.to(dtype) if keep is None else x.to(dtype) * keep
+
+    def norm(x):
+        return torch.linalg.vector_norm(x.flatten(1), dim=-1)
+
+    change = [norm(valid(b) - valid(a)) / norm(valid(a)).clamp_min(torch.finfo(dtype).tiny)
+              for a, b in zip(states[:-1], states[1:])]
+    return torch.stack(change, dim=1)
 
 
 def exit_distribution(gate_logits: torch.Tensor) -> torch.Tensor:
