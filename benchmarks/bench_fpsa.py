@@ -125,16 +125,26 @@ def compute(path, tok, repeats, batch_size, checkpoint=None):
         "FPSA tol 1e-3 cap 4": {"fp_max_iter": 4},
         "FPSA cap 2": {"fp_max_iter": 2},
         "FPSA cap 1 (= BERT)": {"fp_max_iter": 1},  # the operator's bookkeeping alone
+        "FPSA state rule, tol 1e-3 cap 16": {},  # fpsa_halt_unit="state": whole tokens halt and leave the work
+        "FPSA state rule, tol 1e-2 cap 16": {"fp_tol": 1e-2},
     }
-    fpsa = FPSABertModel.from_pretrained(path).eval()
-    fpsa_eager = FPSABertModel.from_pretrained(path, attn_implementation="eager").eval()
+    models, eager_models = {}, {}
+    for unit in ("head", "state"):  # the checkpoint's own halting unit for the rows that do not name one
+        load_kw = {} if unit == "head" else {"fpsa_halt_unit": unit}
+        models[unit] = FPSABertModel.from_pretrained(path, **load_kw).eval()
+        eager_models[unit] = FPSABertModel.from_pretrained(path, attn_implementation="eager", **load_kw).eval()
+
+    def unit_of(name):
+        return "state" if "state rule" in name else "head"
+
     runs = {"BERT": lambda: base(**batch)}
+
     def call(model, over, name):
         with every_token_recomputed() if "every token" in name else contextlib.nullcontext():
             return model(**batch, fp_overrides=over or None)
 
     for name, over in configs.items():
-        runs[name] = (lambda o, n: lambda: call(fpsa, o, n))(over, name)
+        runs[name] = (lambda o, n: lambda: call(models[unit_of(n)], o, n))(over, name)
     times = {name: [] for name in runs}
     cpu = {name: [] for name in runs}
     with torch.no_grad():
@@ -147,11 +157,11 @@ def compute(path, tok, repeats, batch_size, checkpoint=None):
                 times[name].append(time.perf_counter() - t0)
                 cpu[name].append(time.process_time() - c0)
         base_flops = flops(base_eager, batch)
-        stats = {name: call(fpsa, o, name).fp_stats for name, o in configs.items()}
+        stats = {name: call(models[unit_of(name)], o, name).fp_stats for name, o in configs.items()}
         cfg_flops = {}
         for name, o in configs.items():
             with every_token_recomputed() if "every token" in name else contextlib.nullcontext():
-                cfg_flops[name] = flops(fpsa_eager, batch, fp_overrides=o or None)
+                cfg_flops[name] = flops(eager_models[unit_of(name)], batch, fp_overrides=o or None)
     t_base, m_base, c_base = min(times["BERT"]), statistics.median(times["BERT"]), min(cpu["BERT"])
     print(f"    {'model':32s} {'min ms':>8s} {'med ms':>8s} {'lat x':>6s} {'lat x med':>9s} {'cpu x':>6s} "
           f"{'GFLOP':>7s} {'FLOP x':>6s} {'median':>6s} {'p90':>5s} {'p99':>5s} {'cap hit':>7s}")

@@ -37,7 +37,7 @@ import time
 import torch
 from transformers import get_scheduler
 
-from hf_fixedpoint.core.fp_fpsa import FPSAStats
+from hf_fixedpoint.core.fp_fpsa import HALT_UNITS, FPSAStats
 
 PROFILE = {"fp_tol": 1e-4, "fp_max_iter": 100, "fp_eval_max_iter": None}  # the paper's evaluation setting
 ONE_STEP = {"fp_max_iter": 1, "fp_eval_max_iter": None}
@@ -72,8 +72,8 @@ def run_eval(model, batches, overrides, score):
 
 
 def profile(model, batches, score):
-    """The convergence profile at the paper's setting (with the model's ``fpsa_halt_unit`` and, as ``other_*``, with
-    the other unit), and accuracy at the trained cap and at one step."""
+    """The convergence profile at the paper's setting with the model's ``fpsa_halt_unit`` (and, under ``by_unit``,
+    with every halting unit), and accuracy at the trained cap and at one step."""
     acc, stats = run_eval(model, batches, PROFILE, score)
     trained_acc, trained_stats = run_eval(model, batches, None, score)
     one_acc, _ = run_eval(model, batches, ONE_STEP, score)
@@ -81,16 +81,19 @@ def profile(model, batches, score):
     row = {"unit": model.config.fpsa_halt_unit, "accuracy": acc, "median": s["fpsa_iter_median"],
            "p90": s["fpsa_iter_p90"], "p99": s["fpsa_iter_p99"], "mean": s["fpsa_iter_mean"],
            "cap_hit": s["fpsa_cap_hit_rate"], "accuracy_trained_cap": trained_acc,
-           "trained_cap_hit": trained_stats.summary()["fpsa_cap_hit_rate"], "accuracy_one_step": one_acc}
+           "trained_cap_hit": trained_stats.summary()["fpsa_cap_hit_rate"], "accuracy_one_step": one_acc,
+           "by_unit": {}}
     unit = model.config.fpsa_halt_unit
-    model.config.fpsa_halt_unit = "token" if unit == "head" else "head"
     try:
-        other_acc, other = run_eval(model, batches, PROFILE, score)
+        for other in HALT_UNITS:
+            model.config.fpsa_halt_unit = other
+            other_acc, o = run_eval(model, batches, PROFILE, score) if other != unit else (acc, stats)
+            o = o.summary()
+            row["by_unit"][other] = {"accuracy": other_acc, "median": o["fpsa_iter_median"], "p90": o["fpsa_iter_p90"],
+                                     "p99": o["fpsa_iter_p99"], "mean": o["fpsa_iter_mean"],
+                                     "cap_hit": o["fpsa_cap_hit_rate"]}
     finally:
         model.config.fpsa_halt_unit = unit
-    o = other.summary()
-    row.update({"other_accuracy": other_acc, "other_median": o["fpsa_iter_median"], "other_p90": o["fpsa_iter_p90"],
-                "other_p99": o["fpsa_iter_p99"], "other_cap_hit": o["fpsa_cap_hit_rate"]})
     return row
 
 
@@ -302,18 +305,22 @@ def meets_target(row) -> bool:
 
 
 def print_table(results) -> None:
-    """One markdown row per FPSA model: the profile at tol 1e-4 / cap 100 against the targets, and accuracies."""
-    print("\n| run | model | median | p90 | p99 | cap-hit | target (median <= 6, p90 <= 10, cap-hit <= 1%) | "
-          "accuracy | at trained cap | at fp_max_iter=1 | baselines |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    """One markdown row per FPSA model: the profile at tol 1e-4 / cap 100 against the targets, accuracies, and the
+    same model's median / p90 / p99 under each halting unit (``fpsa_halt_unit``)."""
+    print("\n| run | model | unit | median | p90 | p99 | cap-hit | target (median <= 6, p90 <= 10, cap-hit <= 1%) | "
+          "accuracy | at trained cap | at fp_max_iter=1 | baselines | by unit: median / p90 / p99 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for run, rows in results.items():
         baselines = ", ".join(f"{n} {r['accuracy']:.3f}" for n, r in rows.items() if "median" not in r)
         for name, r in rows.items():
             if "median" not in r:
                 continue
-            print(f"| {run} | {name} | {r['median']:.0f} | {r['p90']:.0f} | {r['p99']:.0f} | {r['cap_hit']:.3f} | "
-                  f"{'PASS' if meets_target(r) else 'FAIL'} | {r['accuracy']:.3f} | {r['accuracy_trained_cap']:.3f} | "
-                  f"{r['accuracy_one_step']:.3f} | {baselines or '-'} |")
+            units = "; ".join(f"{u} {o['median']:.0f} / {o['p90']:.0f} / {o['p99']:.0f}"
+                              for u, o in r.get("by_unit", {}).items())
+            print(f"| {run} | {name} | {r['unit']} | {r['median']:.0f} | {r['p90']:.0f} | {r['p99']:.0f} | "
+                  f"{r['cap_hit']:.3f} | {'PASS' if meets_target(r) else 'FAIL'} | {r['accuracy']:.3f} | "
+                  f"{r['accuracy_trained_cap']:.3f} | {r['accuracy_one_step']:.3f} | {baselines or '-'} | "
+                  f"{units or '-'} |")
 
 
 def fmt(v):

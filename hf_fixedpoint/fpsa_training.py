@@ -24,7 +24,8 @@ from hf_fixedpoint.hub import export
 
 # FPSA knobs a recipe forwards to ``from_pretrained`` / the config when set on the command line.
 FP_KNOBS = ("fp_max_iter", "fp_tol", "fp_solver", "fp_backward", "fpsa_update", "fpsa_step_norm",
-            "fpsa_spectral_norm", "fpsa_halting", "fpsa_jac_weight", "fpsa_jac_norm", "fpsa_jac_target")
+            "fpsa_spectral_norm", "fpsa_halting", "fpsa_halt_unit", "fpsa_jac_weight", "fpsa_jac_norm",
+            "fpsa_jac_target")
 
 
 @dataclass
@@ -57,6 +58,8 @@ class TrainingArgs:
     fpsa_step_norm: str = field(default=None, metadata={"help": "FPSA step norm: none | tanh"})
     fpsa_spectral_norm: str = field(default=None, metadata={"help": "spectral norm: none | qk | qko"})
     fpsa_halting: str = field(default=None, metadata={"help": "FPSA halting: tolerance | learned (FPSA-LH)"})
+    fpsa_halt_unit: str = field(default=None, metadata={"help": "what halts as one entry: head | token | state (each "
+                                                                "token on the change of its iterate)"})
     fpsa_jac_weight: float = field(default=None, metadata={"help": "weight of the FPSA Jacobian penalty in the "
                                                                    "loss (default: the config's)"})
     fpsa_jac_norm: str = field(default=None, metadata={"help": "Jacobian penalty: frobenius | spectral (hinge on "

@@ -192,6 +192,7 @@ def fixed_point(
     check: bool = True,
     pass_active: bool = False,
     row_mask: Optional[torch.Tensor] = None,
+    residual_fn: Optional[Callable] = None,
 ):
     """Find ``z* = f(z*, *args)`` and make it differentiable with respect to everything ``f`` uses.
 
@@ -199,8 +200,8 @@ def fixed_point(
         f: the map, called as ``f(z, *args)``; it may close over parameters and tensors.
         z0: initial iterate. The first ``batch_dims`` dims index entries whose convergence is judged separately.
         args, solver, tol, stop_mode, norm, max_iter, min_iter, batch_dims, stop_fraction, return_mode, compact,
-            track_trace, solver_kwargs, pass_active, row_mask: see ``fp_solvers.solve`` (the backward calls ``f``
-            without ``active``).
+            track_trace, solver_kwargs, pass_active, row_mask, residual_fn: see ``fp_solvers.solve`` (the backward
+            calls ``f`` without ``active``).
         backward: ``ift`` (default), ``phantom``, ``one_step`` or ``bptt`` (see the module docstring).
         backward_kwargs: options of the backward mode: ``ift``: ``solver``, ``tol``, ``max_iter``,
             ``solver_kwargs``, ``mask``, ``clip``; ``phantom``: ``steps``, ``damping``; ``bptt``: ``steps``,
@@ -220,7 +221,7 @@ def fixed_point(
                           max_iter=max_iter, min_iter=min_iter, batch_dims=batch_dims, stop_fraction=stop_fraction,
                           return_mode=return_mode, compact=compact, track_trace=track_trace,
                           solver_kwargs=solver_kwargs, check=check, pass_active=pass_active,
-                          row_mask=row_mask)
+                          row_mask=row_mask, residual_fn=residual_fn)
     if not torch.is_grad_enabled():
         return z_star, stats
     args = tuple(args)

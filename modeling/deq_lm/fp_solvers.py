@@ -349,6 +349,7 @@ def solve(
     check: bool = True,
     pass_active: bool = False,
     row_mask: Optional[torch.Tensor] = None,
+    residual_fn: Optional[Callable] = None,
 ):
     """Solve ``z = f(z, *args)`` from ``z0`` without autograd; returns ``(z_star, FixedPointStats)``.
 
@@ -377,6 +378,10 @@ def solve(
             that ``f`` can skip the work of converged entries: their values in its output are ignored.
         row_mask: with ``norm="token_linf"``, a bool tensor shaped ``z0.shape[:-1]``: the rows (tokens) whose
             residual counts; padding positions are left out this way (None: every row).
+        residual_fn: a residual of the caller's own instead of ``tol``/``stop_mode``/``norm``'s:
+            ``residual_fn(fz, z, *args) -> (rows, *entries)`` with ``fz = f(z)`` and ``z`` shaped like the working
+            rows of ``z0`` and ``args`` sliced with them (e.g. FPSA's relative change of the state its queries and
+            keys are computed from, per token); an entry converges once it is below ``tol``.
 
     Raises:
         NonFiniteError: an iterate contains NaN or Inf (the message names the iteration and the samples).
@@ -433,7 +438,10 @@ def solve(
                                  "a fixed-point map must preserve the shape of its input.")
             fz = fz.reshape(z.shape)
             gz = fz - z
-            res = _residual(gz, fz, stop_mode, norm, row_size, rmask)
+            if residual_fn is None:
+                res = _residual(gz, fz, stop_mode, norm, row_size, rmask)
+            else:
+                res = residual_fn(fz.view(wshape), z.view(wshape), *wargs).reshape(-1)
             if observe is not None:
                 observe(res)
             if trace is not None:

@@ -56,7 +56,7 @@ UPDATE_FORMS = ("residual_norm", "plain")
 STEP_NORMS = ("none", "tanh")
 HALTING_MODES = ("tolerance", "learned")
 SPECTRAL_NORMS = ("none", "qk", "qko")
-HALT_UNITS = ("head", "token")
+HALT_UNITS = ("head", "token", "state")
 JAC_NORMS = ("frobenius", "spectral")
 JAC_POWER_ITERS = 6  # power-iteration products per layer and step of the spectral penalty (random start each step)
 HALT_FEATURES = 3  # relative latent change, attention entropy, task-head logit margin
@@ -71,7 +71,8 @@ FPSA_DEFAULTS = {
     "fpsa_ponder_budget": 4.0,  # learned halting: target mean iterations per (token, head)
     "fpsa_ponder_weight": 0.01,  # learned halting: weight of relu(mean ponder cost - budget) in the loss
     "fpsa_halt_threshold": 0.99,  # learned halting: ACT threshold 1 - eps
-    "fpsa_halt_unit": "head",  # head: each (token, head) halts on its own change | token: all heads of a token
+    "fpsa_halt_unit": "head",  # head: each (token, head) halts on its own change | token: all heads of a token |
+    # state: each token on the relative change of the iterate Z its queries and keys are computed from
     "fpsa_jac_weight": 0.0,  # training: weight of the Jacobian penalty of each layer's FPSA map (0: none)
     "fpsa_jac_norm": "frobenius",  # frobenius: Hutchinson ||J_f||_F^2 / n | spectral: relu(rho(J_f) - target)^2
     "fpsa_jac_target": 0.2,  # spectral penalty: the spectral radius (per-step contraction) left unpenalised
@@ -458,6 +459,8 @@ def fpsa_attention(
         o, solve_stats, iterations, converged = o1, None, ones, torch.zeros_like(ones, dtype=torch.bool)
     else:
         kw = dict(fp_kwargs)
+        if halt_unit == "state":
+            kw["residual_fn"] = _state_change(state)
         kw["max_iter"] = max_iter - 1
         kw["min_iter"] = max(kw.get("min_iter", 0) - 1, 0)
         if adjoint_mask and kw.get("backward") == "ift":
@@ -473,7 +476,7 @@ def fpsa_attention(
             o, solve_stats = fixed_point(f, o1, args=(residual, value, attention_mask, *extra),
                                          batch_dims=3 if halt_unit == "head" else 2, compact=True, **kw)
         nstep, converged = solve_stats.nstep, solve_stats.converged
-        if halt_unit == "token":  # one entry per token: every head of it shares the count
+        if halt_unit != "head":  # one entry per token: every head of it shares the count
             nstep, converged = nstep[..., None], converged[..., None].expand_as(ones)
         iterations = ones + nstep
     weights = w1 if max_iter == 1 else None
@@ -487,6 +490,20 @@ def fpsa_attention(
         penalty, rho = _jacobian_penalty(f, o, (residual, value, attention_mask, *extra), jac_norm, jac_target)
     return FPSAResult(output=o.flatten(2), attn_weights=weights, iterations=iterations, converged=converged,
                       max_iter=max_iter, stats=solve_stats, state=final_state, jac_penalty=penalty, jac_rho=rho)
+
+
+def _state_change(state):
+    """``fpsa_halt_unit="state"``'s residual: per token, the relative l2 change ``||Z' - Z|| / ||Z'||`` of the iterate
+    ``Z = state(O)`` that the queries and keys are computed from (the official code's per-token rule), where ``O' =
+    f(O)``. The residual stream in ``Z`` makes it the change of what the layer hands on, not of one head's output."""
+
+    def residual(fo, o, res, *_):
+        new, old = state(fo, res), state(o, res)
+        acc = torch.promote_types(new.dtype, torch.float32)
+        change = torch.linalg.vector_norm(new - old, dim=-1, dtype=acc)
+        return change / (torch.linalg.vector_norm(new, dim=-1, dtype=acc) + 1e-9)
+
+    return residual
 
 
 def _jacobian_penalty(f, o, args, jac_norm, jac_target):

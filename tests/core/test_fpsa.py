@@ -142,7 +142,7 @@ def test_per_entry_freezing_matches_separate_runs():
     assert both.iterations.unique().numel() > 1  # tokens/heads stop at different iterations
 
 
-@pytest.mark.parametrize("halt_unit", ["head", "token"])
+@pytest.mark.parametrize("halt_unit", ["head", "token", "state"])
 @pytest.mark.parametrize("attention_fn", [eager_attention_forward, sdpa_attention_forward])
 def test_converged_tokens_drop_out_of_the_work(halt_unit, attention_fn):
     """The forward solve recomputes iterates, queries, keys and score rows for tokens with an open entry only (cached
@@ -334,6 +334,43 @@ def test_token_halt_unit_one_count_per_token_same_fixed_point():
     assert float(change.max()) < 1e-3
     with pytest.raises(ValueError, match="fpsa_halt_unit='layer' is not allowed"):
         blk.run(x, fp(), halt_unit="layer")
+
+
+def test_state_halt_unit_stops_each_token_on_the_change_of_its_iterate():
+    """``halt_unit="state"``: a token halts once its iterate ``Z = norm(R + W_O O)`` (what the next queries and keys
+    are computed from) changed by less than ``tol`` relative to its size, checked against the plain iteration written
+    out here; the fixed point is the per-head rule's, and the looser criterion takes fewer iterations."""
+    blk, x = Block(), x_input()
+    tol = 1e-4
+
+    def state(o):
+        return blk.norm(x + blk.o(o.flatten(2)))
+
+    with torch.no_grad():
+        res = blk.run(x, fp(tol=tol), halt_unit="state")
+        head = blk.run(x, fp(tol=tol))
+        exact, head_exact = blk.run(x, fp(tol=1e-11), halt_unit="state"), blk.run(x, fp(tol=1e-11))
+        # Reference: iterate every token without freezing; a token stops at the first step whose change of Z is
+        # below tol, and is frozen there (an entry's later iterates do not feed back here: check the first token
+        # to stop, whose batch-mates are all still open until then).
+        o = blk.attention(x, x)
+        first = torch.full((B, T), 0, dtype=torch.long)
+        for k in range(2, 200):
+            new = blk.attention(state(o), x)
+            change = (state(new) - state(o)).norm(dim=-1) / state(new).norm(dim=-1)
+            first = torch.where((first == 0) & (change < tol), k, first)
+            o = new
+            if bool((first > 0).all()):
+                break
+    assert bool((res.iterations == res.iterations[..., :1]).all()) and res.converged.all()
+    counts = res.iterations[..., 0]
+    earliest = counts.min()
+    assert torch.equal(counts == earliest, first == earliest)  # the first tokens to stop, stop where the rule says
+    torch.testing.assert_close(exact.output, head_exact.output, rtol=0, atol=1e-9)
+    assert res.iterations.float().mean() < head.iterations.float().mean()
+    o = res.output.view(B, T, H, DH)  # every halted token: its last step moved Z by less than tol (relative)
+    new = blk.attention(state(o), x)
+    assert float(((state(new) - state(o)).norm(dim=-1) / state(new).norm(dim=-1)).max()) < tol
 
 
 def test_bad_input():
