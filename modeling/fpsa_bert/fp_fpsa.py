@@ -497,7 +497,11 @@ def _state_change(state):
     ``Z = state(O)`` that the queries and keys are computed from (the official code's per-token rule), where ``O' =
     f(O)``. The residual stream in ``Z`` makes it the change of what the layer hands on, not of one head's output."""
 
-    def residual(fo, o, res, *_):
+    def residual(fo, o, res, *_, active=None):
+        if active is not None:  # the open tokens only (the solve ignores the others)
+            out = torch.zeros(active.shape, dtype=torch.promote_types(fo.dtype, torch.float32), device=fo.device)
+            out[active] = residual(fo[active], o[active], res[active])
+            return out
         new, old = state(fo, res), state(o, res)
         acc = torch.promote_types(new.dtype, torch.float32)
         change = torch.linalg.vector_norm(new - old, dim=-1, dtype=acc)

@@ -381,7 +381,8 @@ def solve(
         residual_fn: a residual of the caller's own instead of ``tol``/``stop_mode``/``norm``'s:
             ``residual_fn(fz, z, *args) -> (rows, *entries)`` with ``fz = f(z)`` and ``z`` shaped like the working
             rows of ``z0`` and ``args`` sliced with them (e.g. FPSA's relative change of the state its queries and
-            keys are computed from, per token); an entry converges once it is below ``tol``.
+            keys are computed from, per token); an entry converges once it is below ``tol``. With ``pass_active`` it
+            also gets ``active=`` (as ``f`` does); the residuals of finished entries are ignored.
 
     Raises:
         NonFiniteError: an iterate contains NaN or Inf (the message names the iteration and the samples).
@@ -441,7 +442,8 @@ def solve(
             if residual_fn is None:
                 res = _residual(gz, fz, stop_mode, norm, row_size, rmask)
             else:
-                res = residual_fn(fz.view(wshape), z.view(wshape), *wargs).reshape(-1)
+                extra = {"active": active} if pass_active else {}
+                res = residual_fn(fz.view(wshape), z.view(wshape), *wargs, **extra).reshape(-1)
             if observe is not None:
                 observe(res)
             if trace is not None:
