@@ -7,7 +7,7 @@ restates the short BERT ``__init__`` with the FPSA modules and reuses the rest o
 heads, losses, masks, attention functions).
 
 Outputs carry ``fp_stats`` (``FPSAStats``: iterations per layer, token and head; ``.summary()`` gives median / p90 /
-p99 and the cap-hit rate). Per-call knobs: ``model(..., fp_overrides={"fp_max_iter": 32, "fp_tol": 1e-4})``.
+p99 and the cap-hit rate). Per-call knobs: ``model(..., fp_max_iter=32, fp_tol=1e-4)`` (or ``fp_overrides={...}``).
 """
 
 from dataclasses import dataclass
