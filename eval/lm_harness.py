@@ -39,9 +39,10 @@ Runtime knobs
   It is passed by name to every forward and ``generate`` call.
 
 Neither kind is applied to the config: the saved config is loaded as is and the knobs act per call, so one
-checkpoint is evaluated at several compute budgets without rewriting it. Keys of neither kind go to
-``from_pretrained`` as with the stock ``hf`` model. Note that in ``eval()`` mode the iteration cap is
-``fp_eval_max_iter`` when the config sets it; a warning says so when ``fp_max_iter`` alone is given.
+checkpoint is evaluated at several compute budgets without rewriting it. A knob that is also a config setting with a
+check (Ouro's ``total_ut_steps``, Attractor LM's ``readout_iters``) is checked right after loading as the config
+checks it. Keys of neither kind go to ``from_pretrained`` as with the stock ``hf`` model. A per-call ``fp_max_iter``
+caps the solve in ``eval()`` mode too (it replaces the config's ``fp_eval_max_iter``; ``fp_settings.call_knobs``).
 
 Other differences from ``hf``: ``device`` defaults to ``cuda`` when available and ``cpu`` otherwise (a requested
 ``cuda`` device falls back to ``cpu`` with a warning when CUDA is unavailable, e.g. the CLI's default ``cuda:0``);
@@ -104,13 +105,16 @@ def validate_fp_knobs(config, knobs: dict) -> dict:
         )
     if knobs and set(knobs) <= set(FP_DEFAULTS):
         fp_settings(config, knobs)  # value checks (types, ranges, solver names) with the library's messages
-    if "fp_max_iter" in knobs and "fp_eval_max_iter" not in knobs:
-        eval_cap = getattr(config, "fp_eval_max_iter", None)
-        if eval_cap is not None:
-            logger.warning(
-                "The config sets fp_eval_max_iter=%s, which caps the solve in eval mode, so fp_max_iter=%s does not "
-                "change evaluation; pass fp_eval_max_iter as well.", eval_cap, knobs["fp_max_iter"])
     return dict(knobs)
+
+
+def check_forward_knobs(config, knobs: dict) -> None:
+    """Check the forward-parameter knobs that are also config settings as the config checks them (``check_setting``
+    of the families' configs: Ouro's ``total_ut_steps=0`` is a ValueError at load, not at the first call)."""
+    check = getattr(config, "check_setting", None)
+    if check is not None:
+        for key, value in knobs.items():
+            check(key, value)
 
 
 def default_device(device) -> str:
@@ -143,6 +147,7 @@ class FixedPointLM(HFLM):
             model_knobs = forward_knob_names(pretrained)
             self.forward_kwargs = {k: kwargs.pop(k) for k in [k for k in kwargs if k in model_knobs]}
             self._check_fp_knobs(pretrained.config, pretrained)
+            check_forward_knobs(pretrained.config, self.forward_kwargs)
             hflm_params = set(inspect.signature(HFLM.__init__).parameters)
             ignored = sorted(k for k in kwargs if k not in hflm_params)
             if ignored:
@@ -172,6 +177,7 @@ class FixedPointLM(HFLM):
         self._check_fp_knobs(self.config, model)
         knobs = forward_knob_names(model)
         self.forward_kwargs.update({k: v for k, v in extras.items() if k in knobs})
+        check_forward_knobs(self.config, self.forward_kwargs)
         load_kwargs = {k: v for k, v in extras.items() if k not in knobs}
         if load_kwargs:
             super()._create_model(pretrained, **base, **load_kwargs)
@@ -237,4 +243,11 @@ class FixedPointLM(HFLM):
         return info
 
 
-__all__ = ["FixedPointLM", "default_device", "forward_knob_names", "valid_fp_keys", "validate_fp_knobs"]
+__all__ = [
+    "FixedPointLM",
+    "check_forward_knobs",
+    "default_device",
+    "forward_knob_names",
+    "valid_fp_keys",
+    "validate_fp_knobs",
+]

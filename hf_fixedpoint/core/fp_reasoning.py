@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .fp_registry import check_choice, check_number
+from .fp_settings import call_knobs
 
 NORM_PLACEMENTS = ("post", "pre")
 MLP_KINDS = ("swiglu", "conv_swiglu")
@@ -612,10 +613,12 @@ class PuzzleSolverMixin:
         return new_carry(None, batch_size, device)
 
     def puzzle_forward(self, input_ids, puzzle_identifiers=None, labels=None, carry=None, fp_overrides=None,
-                       **kwargs) -> dict:
-        """``puzzle_step`` with the config's halting and loss settings; ``kwargs``: the standard output switches
-        (``output_hidden_states``, ``output_attentions``; see ``puzzle_hidden_states``)."""
+                       fp_max_iter=None, fp_tol=None, **kwargs) -> dict:
+        """``puzzle_step`` with the config's halting and loss settings and the per-call knobs (``fp_max_iter``,
+        ``fp_tol``, any other ``fp_*`` setting as a keyword, or ``fp_overrides={...}``); other ``kwargs``: the
+        standard output switches (``output_hidden_states``, ``output_attentions``; see ``puzzle_hidden_states``)."""
         c = self.config
+        fp_overrides = call_knobs(c, kwargs, type(self).__name__, fp_overrides, fp_max_iter, fp_tol)
         out = puzzle_step(self.model, self.heads, input_ids=input_ids, puzzle_identifiers=puzzle_identifiers,
                            labels=labels, carry=carry, fp_overrides=fp_overrides, halt_max_steps=c.halt_max_steps,
                            exploration_prob=c.halt_exploration_prob, loss_type=c.loss_type,

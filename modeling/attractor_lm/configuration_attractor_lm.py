@@ -6,7 +6,7 @@ from transformers import PretrainedConfig
 
 from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_registry import check_choice, check_number, complete_auto_map
-from .fp_settings import pop_fp_kwargs
+from .fp_settings import FixedPointConfigMixin, pop_fp_kwargs
 from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_problems)
 
@@ -24,7 +24,7 @@ ATTRACTOR_FP_DEFAULTS = {
 }
 
 
-class AttractorConfig(PretrainedConfig):
+class AttractorConfig(FixedPointConfigMixin, PretrainedConfig):
     r"""
     Args:
         vocab_size: size of the vocabulary (the embedding is tied to the unembedding).
@@ -111,8 +111,6 @@ class AttractorConfig(PretrainedConfig):
                      high_open=True)
         if adjoint_clip is not None:
             check_number(adjoint_clip, "adjoint_clip", low=0.0, low_open=True)
-        if readout_iters is not None:
-            check_number(readout_iters, "readout_iters", low=0, integer=True)
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -129,7 +127,7 @@ class AttractorConfig(PretrainedConfig):
         self.layer_scale_init = layer_scale_init
         self.layer_scale_max = layer_scale_max
         self.adjoint_clip = adjoint_clip
-        self.readout_iters = readout_iters
+        self.readout_iters = readout_iters  # checked by check_setting
         # Derived, rewritten on every load: read by the rotary embedding and by DynamicCache (one cache layer per
         # backbone layer, then one per attractor layer).
         kwargs.pop("head_dim", None)
@@ -140,6 +138,12 @@ class AttractorConfig(PretrainedConfig):
         self.use_cache = kwargs.pop("use_cache", True)
         kwargs["auto_map"] = complete_auto_map(kwargs.get("auto_map"), self.family_auto_map)
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+    def check_setting(self, key: str, value) -> None:
+        # readout_iters is a run-time knob: from_pretrained(dir, readout_iters=k) sets it after __init__.
+        if key == "readout_iters" and value is not None:
+            check_number(value, key, low=0, integer=True)
+        super().check_setting(key, value)
 
 
 __all__ = ["AttractorConfig"]

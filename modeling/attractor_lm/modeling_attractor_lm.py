@@ -39,7 +39,7 @@ from .fp_compat import (
     require_dynamic_cache,
 )
 from .fp_registry import check_number
-from .fp_settings import fixed_point_kwargs
+from .fp_settings import call_knobs, fixed_point_kwargs
 from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_stats import FixedPointStats
 
@@ -238,19 +238,26 @@ class AttractorModel(AttractorPreTrainedModel):
         past_key_values: Optional[Cache] = None,
         inputs_embeds: Optional[torch.FloatTensor] = None,
         use_cache: Optional[bool] = None,
+        fp_max_iter: Optional[int] = None,
+        fp_tol: Optional[float] = None,
         fp_overrides: Optional[dict] = None,
         readout_iters: Optional[int] = None,
         output_hidden_states: Optional[bool] = None,
         output_attentions: Optional[bool] = None,
         **kwargs,
     ) -> AttractorModelOutput:
+        """Per-call knobs: ``fp_max_iter``, ``fp_tol`` and any other ``fp_*`` setting as keywords, or
+        ``fp_overrides={...}`` (``call_knobs``); ``readout_iters`` (a per-call one wins over a per-call
+        ``fp_max_iter``, which wins over ``config.readout_iters``)."""
         past_key_values = pop_cache(past_key_values, kwargs)
+        overrides = call_knobs(self.config, kwargs, type(self).__name__, fp_overrides, fp_max_iter, fp_tol)
         require_dynamic_cache(past_key_values, "Attractor LM", "each new token's attractor iterates against the "
                               "earlier tokens' cached keys/values read as tensors of exactly the cached length, which "
                               "a preallocated static cache does not hold")
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds.")
-        readout_iters = self.config.readout_iters if readout_iters is None else readout_iters
+        if readout_iters is None and "fp_max_iter" not in overrides:
+            readout_iters = self.config.readout_iters
         if readout_iters is not None:
             check_number(readout_iters, "readout_iters", low=0, integer=True)
         if inputs_embeds is None:
@@ -295,7 +302,7 @@ class AttractorModel(AttractorPreTrainedModel):
             else:
                 raise ValueError("the cache has no attractor keys/values for the earlier tokens (they were computed "
                                  "with readout_iters=0); generate with the same readout_iters throughout.")
-        fp_kwargs = fixed_point_kwargs(self.config, self.training, fp_overrides)
+        fp_kwargs = fixed_point_kwargs(self.config, self.training, overrides)
         if readout_iters is not None:
             fp_kwargs["max_iter"] = readout_iters
             fp_kwargs["min_iter"] = min(fp_kwargs["min_iter"], readout_iters)
@@ -341,19 +348,23 @@ class AttractorForCausalLM(AttractorPreTrainedModel, GenerationMixin):
         labels: Optional[torch.LongTensor] = None,
         use_cache: Optional[bool] = None,
         logits_to_keep: int = 0,
+        fp_max_iter: Optional[int] = None,
+        fp_tol: Optional[float] = None,
         fp_overrides: Optional[dict] = None,
         readout_iters: Optional[int] = None,
         output_hidden_states: Optional[bool] = None,
         output_attentions: Optional[bool] = None,
         **kwargs,
     ) -> AttractorCausalLMOutput:
-        """``fp_overrides`` (e.g. ``{"fp_max_iter": 32}``) and ``readout_iters`` (0: decode the backbone proposal,
-        ``k``: at most ``k`` solver iterations) change this call only; ``generate`` passes them to every step.
-        ``kwargs`` reach the loss (``num_items_in_batch``, ``shift_labels``, ``ignore_index``)."""
+        """``fp_max_iter=32`` (any ``fp_*`` setting as a keyword, or ``fp_overrides={...}``) and ``readout_iters``
+        (0: decode the backbone proposal, ``k``: at most ``k`` solver iterations) change this call only; ``generate``
+        passes them to every step. Other ``kwargs`` reach the loss (``num_items_in_batch``, ``shift_labels``,
+        ``ignore_index``)."""
         past_key_values = pop_cache(past_key_values, kwargs)
+        overrides = call_knobs(self.config, kwargs, type(self).__name__, fp_overrides, fp_max_iter, fp_tol)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                         fp_overrides=fp_overrides, readout_iters=readout_iters,
+                         fp_overrides=overrides, readout_iters=readout_iters,
                          output_hidden_states=output_hidden_states, output_attentions=output_attentions)
         hidden = out.last_hidden_state
         if logits_to_keep:

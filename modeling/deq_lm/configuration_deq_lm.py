@@ -5,12 +5,12 @@ from transformers import PretrainedConfig
 
 from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_registry import check_number, complete_auto_map  # noqa: F401  (see vendor.direct_import_problems)
-from .fp_settings import pop_fp_kwargs
+from .fp_settings import FixedPointConfigMixin, pop_fp_kwargs
 from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_problems)
 
 
-class DEQLMConfig(PretrainedConfig):
+class DEQLMConfig(FixedPointConfigMixin, PretrainedConfig):
     r"""
     Args:
         vocab_size: size of the vocabulary.

@@ -18,7 +18,7 @@ from transformers.utils import can_return_tuple
 from .configuration_deq_lm import DEQLMConfig
 from .fp_backward import fixed_point
 from .fp_registry import check_number  # noqa: F401  (see vendor.direct_import_problems)
-from .fp_settings import fixed_point_kwargs
+from .fp_settings import call_knobs, fixed_point_kwargs
 from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_stats import FixedPointStats
 
@@ -124,13 +124,17 @@ class DEQLMModel(DEQLMPreTrainedModel):
         attention_mask: Optional[torch.Tensor] = None,
         position_ids: Optional[torch.LongTensor] = None,
         inputs_embeds: Optional[torch.FloatTensor] = None,
+        fp_max_iter: Optional[int] = None,
+        fp_tol: Optional[float] = None,
         fp_overrides: Optional[dict] = None,
         output_hidden_states: Optional[bool] = None,
         output_attentions: Optional[bool] = None,
         **kwargs,
     ) -> DEQLMModelOutput:
         """Without ``position_ids``, positions count the unmasked tokens of ``attention_mask`` (left padding gives
-        the positions of the unpadded sequence); ``return_dict=False`` gives a tuple."""
+        the positions of the unpadded sequence); ``return_dict=False`` gives a tuple. Per-call knobs: ``fp_max_iter``,
+        ``fp_tol`` and any other ``fp_*`` setting as keywords, or ``fp_overrides={...}`` (``call_knobs``)."""
+        overrides = call_knobs(self.config, kwargs, type(self).__name__, fp_overrides, fp_max_iter, fp_tol)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds.")
         if inputs_embeds is None:
@@ -150,7 +154,7 @@ class DEQLMModel(DEQLMPreTrainedModel):
         if attention_mask is not None:
             mask = mask & attention_mask[:, None, None, :].bool()
             mask = mask | torch.eye(T, dtype=torch.bool, device=x.device)
-        kwargs_fp = fixed_point_kwargs(self.config, self.training, fp_overrides)
+        kwargs_fp = fixed_point_kwargs(self.config, self.training, overrides)
         z, stats = fixed_point(self.block, torch.zeros_like(x), args=(x, mask), compact=True, **kwargs_fp)
         out = DEQLMModelOutput(last_hidden_state=self.norm(z), fp_stats=stats)
         if self.config.output_hidden_states if output_hidden_states is None else output_hidden_states:
@@ -177,14 +181,18 @@ class DEQLMForCausalLM(DEQLMPreTrainedModel, GenerationMixin):
         position_ids: Optional[torch.LongTensor] = None,
         inputs_embeds: Optional[torch.FloatTensor] = None,
         labels: Optional[torch.LongTensor] = None,
+        fp_max_iter: Optional[int] = None,
+        fp_tol: Optional[float] = None,
         fp_overrides: Optional[dict] = None,
         output_hidden_states: Optional[bool] = None,
         output_attentions: Optional[bool] = None,
         **kwargs,
     ) -> DEQLMCausalLMOutput:
-        """``kwargs`` reach the loss (``num_items_in_batch``, ``shift_labels``, ``ignore_index``)."""
+        """Per-call knobs as in ``DEQLMModel.forward``; other ``kwargs`` reach the loss (``num_items_in_batch``,
+        ``shift_labels``, ``ignore_index``)."""
+        overrides = call_knobs(self.config, kwargs, type(self).__name__, fp_overrides, fp_max_iter, fp_tol)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         inputs_embeds=inputs_embeds, fp_overrides=fp_overrides,
+                         inputs_embeds=inputs_embeds, fp_overrides=overrides,
                          output_hidden_states=output_hidden_states, output_attentions=output_attentions)
         logits = self.lm_head(out.last_hidden_state)
         loss = None
@@ -193,9 +201,11 @@ class DEQLMForCausalLM(DEQLMPreTrainedModel, GenerationMixin):
         return DEQLMCausalLMOutput(loss=loss, logits=logits, fp_stats=out.fp_stats, hidden_states=out.hidden_states,
                                    attentions=out.attentions)
 
-    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, fp_overrides=None, **kwargs):
+    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, fp_max_iter=None, fp_tol=None,
+                                      fp_overrides=None, **kwargs):
         # No KV cache: a fixed point is recomputed over the whole prefix at every step (positions from the mask).
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "fp_overrides": fp_overrides}
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "fp_max_iter": fp_max_iter,
+                "fp_tol": fp_tol, "fp_overrides": fp_overrides}
 
     def generate(self, *args, **kwargs):
         """``GenerationMixin.generate``; assisted decoding is refused with the reason (it checks the candidate tokens

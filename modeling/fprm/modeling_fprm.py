@@ -43,7 +43,7 @@ from .fp_reasoning import (
     trunc_normal_,
 )
 from .fp_registry import check_number  # noqa: F401  (see vendor.direct_import_problems)
-from .fp_settings import fixed_point_kwargs
+from .fp_settings import call_knobs, fixed_point_kwargs
 from .fp_solvers import SOLVERS, _residual
 from .fp_stats import FixedPointStats
 
@@ -274,10 +274,12 @@ class FPRMModel(FPRMPreTrainedModel):
 
     @can_return_tuple
     def forward(self, input_ids: torch.LongTensor, puzzle_identifiers: Optional[torch.LongTensor] = None,
-                state: Optional[dict] = None, fp_overrides: Optional[dict] = None, **kwargs) -> FPRMModelOutput:
+                state: Optional[dict] = None, fp_max_iter: Optional[int] = None, fp_tol: Optional[float] = None,
+                fp_overrides: Optional[dict] = None, **kwargs) -> FPRMModelOutput:
         """``kwargs``: the standard output switches (``output_hidden_states``: the input injection and the final
         state; ``return_dict``)."""
-        out = self.inner(input_ids, puzzle_identifiers, state, fp_overrides)
+        overrides = call_knobs(self.config, kwargs, type(self).__name__, fp_overrides, fp_max_iter, fp_tol)
+        out = self.inner(input_ids, puzzle_identifiers, state, overrides)
         return FPRMModelOutput(last_hidden_state=out["h"][:, self.config.puzzle_emb_len:], state=out["state"],
                                fp_stats=out["stats"], iterations=out["iterations"],
                               hidden_states=puzzle_hidden_states(self.config, out, kwargs))
@@ -299,9 +301,10 @@ class FPRMForPuzzles(PuzzleSolverMixin, FPRMPreTrainedModel):
     @can_return_tuple
     def forward(self, input_ids: torch.LongTensor, puzzle_identifiers: Optional[torch.LongTensor] = None,
                 labels: Optional[torch.LongTensor] = None, carry: Optional[dict] = None,
+                fp_max_iter: Optional[int] = None, fp_tol: Optional[float] = None,
                 fp_overrides: Optional[dict] = None, **kwargs) -> FPRMPuzzleOutput:
         return FPRMPuzzleOutput(**self.puzzle_forward(input_ids, puzzle_identifiers, labels, carry, fp_overrides,
-                                                     **kwargs))
+                                                      fp_max_iter=fp_max_iter, fp_tol=fp_tol, **kwargs))
 
 
 __all__ = ["FPRMForPuzzles", "FPRMModel", "FPRMPreTrainedModel"]

@@ -12,7 +12,7 @@ from .fp_fpsa import FPSA_FP_DEFAULTS, check_heads, pop_fpsa_kwargs, retrofit_co
 from .fp_halting import ACTAccumulator  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_jacobian import jacobian_frobenius  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_registry import check_number, complete_auto_map  # noqa: F401  (see vendor.direct_import_problems)
-from .fp_settings import pop_fp_kwargs
+from .fp_settings import FixedPointConfigMixin, pop_fp_kwargs
 from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_problems)
 
@@ -20,7 +20,7 @@ from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_p
 COMPATIBLE_MODEL_TYPES = ("bert", "fpsa_bert")
 
 
-class FPSABertConfig(BertConfig):
+class FPSABertConfig(FixedPointConfigMixin, BertConfig):
     r"""
     Args:
         **BertConfig fields**: ``vocab_size``, ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads`` (must

@@ -111,6 +111,29 @@ def check_keywords(kwargs: dict, allowed, argument: str, owner: str) -> None:
         )
 
 
+def reject_prefixed_keywords(kwargs: dict, prefix: str, allowed, where: str, hint: str,
+                             kind: str = "keyword(s)") -> None:
+    """A keyword starting with ``prefix`` that a forward does not know (a typo such as ``fp_max_itr``) is a ValueError
+    that names it and says what ``where`` takes (``hint``), not a keyword passed on and silently ignored."""
+    unknown = sorted(k for k in kwargs if k.startswith(prefix) and k not in allowed)
+    if unknown:
+        raise ValueError(f"{where} got unknown {kind} {unknown}. {hint}")
+
+
+class CheckedConfigMixin:
+    """Put before ``PretrainedConfig`` in a family's config: a setting assigned after construction is checked as
+    ``__init__`` checks it. ``from_pretrained(dir, key=value)`` (``AutoModel*`` and the saved remote code alike) sets
+    its leftover keyword arguments with ``setattr`` after ``__init__``, and so does ``config.key = value``; without
+    this a bad value loads and fails (or misbehaves) later. A family overrides ``check_setting``."""
+
+    def check_setting(self, key: str, value) -> None:
+        """Raise a ValueError naming ``key`` and its allowed values unless ``value`` is allowed."""
+
+    def __setattr__(self, key, value):
+        self.check_setting(key, value)
+        super().__setattr__(key, value)
+
+
 def complete_auto_map(auto_map, family_auto_map: dict) -> dict:
     """``auto_map`` (a config's, or None) with the entries of ``family_auto_map`` it lacks added.
 
@@ -128,4 +151,13 @@ def complete_auto_map(auto_map, family_auto_map: dict) -> dict:
     return auto_map
 
 
-__all__ = ["Registry", "check_choice", "check_keywords", "check_number", "complete_auto_map", "keyword_options"]
+__all__ = [
+    "CheckedConfigMixin",
+    "Registry",
+    "check_choice",
+    "check_keywords",
+    "check_number",
+    "complete_auto_map",
+    "keyword_options",
+    "reject_prefixed_keywords",
+]

@@ -7,7 +7,7 @@ restates the short BERT ``__init__`` with the FPSA modules and reuses the rest o
 heads, losses, masks, attention functions).
 
 Outputs carry ``fp_stats`` (``FPSAStats``: iterations per layer, token and head; ``.summary()`` gives median / p90 /
-p99 and the cap-hit rate). Per-call knobs: ``model(..., fp_overrides={"fp_max_iter": 32, "fp_tol": 1e-4})``.
+p99 and the cap-hit rate). Per-call knobs: ``model(..., fp_max_iter=32, fp_tol=1e-4)`` (or ``fp_overrides={...}``).
 """
 
 from dataclasses import dataclass
@@ -57,7 +57,7 @@ from .fp_fpsa import (
 from .fp_halting import ACTAccumulator  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_jacobian import jacobian_frobenius  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_registry import check_number  # noqa: F401  (see vendor.direct_import_problems)
-from .fp_settings import fixed_point_kwargs
+from .fp_settings import call_knobs, fixed_point_kwargs
 from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_problems)
 
@@ -195,11 +195,14 @@ class FPSABertModel(FPSABertPreTrainedModel, BertModel):
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
+                fp_max_iter: Optional[int] = None, fp_tol: Optional[float] = None,
                 fp_overrides: Optional[dict] = None, fpsa_stats: Optional[FPSAStats] = None, **kwargs):
+        overrides = call_knobs(self.config, kwargs, type(self).__name__, fp_overrides, fp_max_iter, fp_tol,
+                               allowed=("fpsa_margin_fn",))
         stats = FPSAStats() if fpsa_stats is None else fpsa_stats
         if attention_mask is not None and attention_mask.dim() == 2:
             stats.token_mask = attention_mask.bool()
-        fp_kwargs = fixed_point_kwargs(self.config, self.training, fp_overrides)
+        fp_kwargs = fixed_point_kwargs(self.config, self.training, overrides)
         kwargs["return_dict"] = True
         out = super().forward(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
                               position_ids=position_ids, inputs_embeds=inputs_embeds, fpsa_fp_kwargs=fp_kwargs,

@@ -38,7 +38,7 @@ from .fp_fpsa import (
 from .fp_halting import ACTAccumulator  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_jacobian import jacobian_frobenius  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_registry import check_number  # noqa: F401  (see vendor.direct_import_problems)
-from .fp_settings import fixed_point_kwargs
+from .fp_settings import call_knobs, fixed_point_kwargs
 from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_problems)
 
@@ -146,11 +146,14 @@ class FPSAViTModel(FPSAViTPreTrainedModel, ViTModel):
 
     @can_return_tuple
     def forward(self, pixel_values=None, bool_masked_pos=None, interpolate_pos_encoding=None, attention_mask=None,
+                fp_max_iter: Optional[int] = None, fp_tol: Optional[float] = None,
                 fp_overrides: Optional[dict] = None, fpsa_stats: Optional[FPSAStats] = None, **kwargs):
+        overrides = call_knobs(self.config, kwargs, type(self).__name__, fp_overrides, fp_max_iter, fp_tol,
+                               allowed=("fpsa_margin_fn",))
         stats = FPSAStats() if fpsa_stats is None else fpsa_stats
         out = super().forward(pixel_values, bool_masked_pos=bool_masked_pos,
                               interpolate_pos_encoding=interpolate_pos_encoding, attention_mask=attention_mask,
-                              fpsa_fp_kwargs=fixed_point_kwargs(self.config, self.training, fp_overrides),
+                              fpsa_fp_kwargs=fixed_point_kwargs(self.config, self.training, overrides),
                               fpsa_stats=FPSAStatsSink(stats), **kwargs)
         return FPSAViTModelOutput(**out, fp_stats=stats)
 

@@ -9,7 +9,7 @@ values (Ouro-1.4B: hidden 2048, 24 layers, 16 heads, intermediate 5632, vocab 49
 
 from transformers import PretrainedConfig
 
-from .fp_registry import check_choice, check_number, complete_auto_map
+from .fp_registry import CheckedConfigMixin, check_choice, check_number, complete_auto_map
 
 EXIT_LOSSES = ("expected_logits", "expected_loss", "last")
 
@@ -29,7 +29,7 @@ def check_trained_loops(value):
     return [int(lo), int(hi)]
 
 
-class OuroConfig(PretrainedConfig):
+class OuroConfig(CheckedConfigMixin, PretrainedConfig):
     r"""
     Args:
         vocab_size, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
@@ -117,7 +117,7 @@ class OuroConfig(PretrainedConfig):
         **kwargs,
     ):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "max_position_embeddings", "total_ut_steps"):
+                     "num_key_value_heads", "max_position_embeddings"):
             check_number(locals()[name], name, low=1, integer=True)
         if hidden_size % num_attention_heads:
             raise ValueError(
@@ -126,10 +126,6 @@ class OuroConfig(PretrainedConfig):
         if num_attention_heads % num_key_value_heads:
             raise ValueError(f"num_attention_heads={num_attention_heads} must be divisible by "
                              f"num_key_value_heads={num_key_value_heads}.")
-        if early_exit_threshold is not None:
-            check_number(early_exit_threshold, "early_exit_threshold", low=0.0, high=1.0)
-        if early_exit_step is not None:
-            check_number(early_exit_step, "early_exit_step", low=0, integer=True)
         check_choice(exit_loss, "exit_loss", EXIT_LOSSES)
         check_number(entropy_weight, "entropy_weight", low=0.0)
         trained_loops = check_trained_loops(trained_loops)
@@ -154,7 +150,7 @@ class OuroConfig(PretrainedConfig):
         self.max_window_layers = max_window_layers
         self.layer_types = layer_types or ["full_attention"] * num_hidden_layers
         self.attention_dropout = attention_dropout
-        self.total_ut_steps = total_ut_steps
+        self.total_ut_steps = total_ut_steps  # this and the early-exit knobs: checked by check_setting
         self.early_exit_threshold = early_exit_threshold
         self.early_exit_step = early_exit_step
         self.exit_loss = exit_loss
@@ -166,6 +162,16 @@ class OuroConfig(PretrainedConfig):
         # Upstream's rope_theta / rope_scaling become transformers-5's rope_parameters (the base class converts them).
         super().__init__(tie_word_embeddings=tie_word_embeddings, rope_theta=rope_theta, rope_scaling=rope_scaling,
                          **kwargs)
+
+    def check_setting(self, key: str, value) -> None:
+        # The run-time knobs: from_pretrained(dir, total_ut_steps=k) sets them after __init__.
+        if key == "total_ut_steps":
+            check_number(value, key, low=1, integer=True)
+        elif key == "early_exit_threshold" and value is not None:
+            check_number(value, key, low=0.0, high=1.0)
+        elif key == "early_exit_step" and value is not None:
+            check_number(value, key, low=0, integer=True)
+        super().check_setting(key, value)
 
 
 __all__ = ["EXIT_LOSSES", "OuroConfig", "check_trained_loops"]

@@ -47,7 +47,7 @@ from .fp_compat import (
     create_causal_mask,
     pop_cache,
 )
-from .fp_registry import check_number
+from .fp_registry import check_number, reject_prefixed_keywords
 
 
 @dataclass
@@ -275,6 +275,8 @@ class OuroModel(OuroPreTrainedModel):
         total_ut_steps: Optional[int] = None,
         **kwargs,
     ) -> OuroModelOutput:
+        reject_prefixed_keywords(kwargs, "fp", (), type(self).__name__, "Ouro has no fp_* settings: its per-call "
+                                 "knob is total_ut_steps=k (the loops of the layer stack).")
         past_key_values = pop_cache(past_key_values, kwargs)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds.")

@@ -50,6 +50,7 @@ from .fp_backward import fixed_point
 from .fp_halting import ACTAccumulator
 from .fp_jacobian import jacobian_frobenius, spectral_radius
 from .fp_registry import check_choice, check_number
+from .fp_settings import call_knobs
 from .fp_stats import FixedPointStats
 
 UPDATE_FORMS = ("residual_norm", "plain")
@@ -773,7 +774,7 @@ class FPSAHeadMixin:
 
     def __init_subclass__(cls, **kwargs):
         # Trainer(remove_unused_columns=True) and generate() keep only the inputs named in forward's signature: give
-        # each head a forward whose signature is the transformers head's own plus ``fp_overrides``.
+        # each head a forward whose signature is the transformers head's own plus the per-call knobs.
         import inspect
 
         super().__init_subclass__(**kwargs)
@@ -781,8 +782,9 @@ class FPSAHeadMixin:
             return
         head = inspect.signature(super(FPSAHeadMixin, cls).forward)
         params = [p for p in head.parameters.values() if p.kind != p.VAR_KEYWORD]
-        params.append(inspect.Parameter("fp_overrides", inspect.Parameter.KEYWORD_ONLY, default=None,
-                                        annotation=Optional[dict]))
+        params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
+                   for name, annotation in (("fp_max_iter", Optional[int]), ("fp_tol", Optional[float]),
+                                            ("fp_overrides", Optional[dict]))]
         params += [p for p in head.parameters.values() if p.kind == p.VAR_KEYWORD]
 
         def forward(self, *args, **kwargs):
@@ -797,9 +799,12 @@ class FPSAHeadMixin:
         """Learned halting: the task head applied to an iterate, for the logit-margin feature (None: no margin)."""
         return None
 
-    def forward(self, *args, fp_overrides: Optional[dict] = None, **kwargs):
-        """The transformers head's ``forward`` with ``fp_overrides`` (per-call fixed-point settings); the output adds
-        ``fp_stats``. ``return_dict=False`` (or ``config.return_dict=False``) gives a tuple."""
+    def forward(self, *args, fp_max_iter: Optional[int] = None, fp_tol: Optional[float] = None,
+                fp_overrides: Optional[dict] = None, **kwargs):
+        """The transformers head's ``forward`` with the per-call fixed-point knobs (``fp_max_iter``, ``fp_tol``, any
+        other ``fp_*`` setting as a keyword, or ``fp_overrides={...}``); the output adds ``fp_stats``.
+        ``return_dict=False`` (or ``config.return_dict=False``) gives a tuple."""
+        fp_overrides = call_knobs(self.config, kwargs, type(self).__name__, fp_overrides, fp_max_iter, fp_tol)
         stats = FPSAStats()
         learned = self.config.fpsa_halting == "learned"
         if learned and self.fpsa_margin_fn() is not None:

@@ -11,7 +11,8 @@ attention is kept. With the KV cache the window is that of transformers' sliding
 
 Generation: with the KV cache, earlier tokens keep their converged keys and static values and only the new tokens
 iterate. Per-call knobs are named ``forward`` parameters, so they work through ``generate``:
-``model.generate(ids, fp_max_iter=8, fp_tol=1e-4)``; ``fp_overrides={...}`` takes any other ``fp_*`` setting, and
+``model.generate(ids, fp_max_iter=8, fp_tol=1e-4)``; any other ``fp_*`` setting is a ``forward`` keyword too (through
+``generate``: ``fp_overrides={...}``), and
 ``fp_stats_log=[]`` collects the ``FPSAStats`` of every forward call (the prompt, then one entry per generated token).
 Outputs carry ``fp_stats`` (iterations per layer, token and head; ``.summary()`` gives median / p90 / cap-hit rate).
 """
@@ -42,13 +43,9 @@ from .fp_fpsa import FPSAStats, FPSAStatsSink, fpsa_decoder_attention, init_fpsa
 from .fp_halting import ACTAccumulator  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_jacobian import jacobian_frobenius  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_registry import check_number  # noqa: F401  (see vendor.direct_import_problems)
-from .fp_settings import call_overrides, fixed_point_kwargs, reject_unknown_knobs
+from .fp_settings import call_knobs, fixed_point_kwargs
 from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_problems)
-
-# Keywords a SELF forward passes down to its layers; any other fp* keyword is a typo.
-_MODEL_KNOBS = ("fp_overrides", "fpsa_stats")
-_LM_KNOBS = ("fp_max_iter", "fp_tol", "fp_overrides", "fp_stats_log")
 
 
 def apply_rope(t, cos, sin):
@@ -169,9 +166,9 @@ class SelfMistralModel(SelfMistralPreTrainedModel, MistralModel):
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, use_cache=None, fp_overrides: Optional[dict] = None,
-                fpsa_stats: Optional[FPSAStats] = None, **kwargs):
-        reject_unknown_knobs(kwargs, _MODEL_KNOBS, type(self).__name__)
+                inputs_embeds=None, use_cache=None, fp_max_iter: Optional[int] = None, fp_tol: Optional[float] = None,
+                fp_overrides: Optional[dict] = None, fpsa_stats: Optional[FPSAStats] = None, **kwargs):
+        overrides = call_knobs(self.config, kwargs, type(self).__name__, fp_overrides, fp_max_iter, fp_tol)
         past_key_values = pop_cache(past_key_values, kwargs)
         check_cache(past_key_values)
         stats = FPSAStats() if fpsa_stats is None else fpsa_stats
@@ -181,7 +178,7 @@ class SelfMistralModel(SelfMistralPreTrainedModel, MistralModel):
         out = super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                               inputs_embeds=inputs_embeds, use_cache=use_cache, return_dict=True,
                               **{CACHE_NAME: past_key_values},
-                              fpsa_fp_kwargs=fixed_point_kwargs(self.config, self.training, fp_overrides),
+                              fpsa_fp_kwargs=fixed_point_kwargs(self.config, self.training, overrides),
                               fpsa_stats=FPSAStatsSink(stats), **kwargs)
         return SelfMistralModelOutputWithPast(**out, fp_stats=stats)
 
@@ -202,13 +199,13 @@ class SelfMistralForCausalLM(SelfMistralPreTrainedModel, MistralForCausalLM):
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, fp_max_iter: Optional[int] = None,
                 fp_tol: Optional[float] = None, fp_overrides: Optional[dict] = None,
                 fp_stats_log: Optional[list] = None, **kwargs):
-        reject_unknown_knobs(kwargs, _LM_KNOBS, type(self).__name__)
+        overrides = call_knobs(self.config, kwargs, type(self).__name__, fp_overrides, fp_max_iter, fp_tol)
         past_key_values = pop_cache(past_key_values, kwargs)
         stats = FPSAStats()
         out = super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                               inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
                               **{CACHE_NAME: past_key_values}, logits_to_keep=logits_to_keep, return_dict=True,
-                              fp_overrides=call_overrides(fp_overrides, fp_max_iter, fp_tol), fpsa_stats=stats,
+                              fp_overrides=overrides, fpsa_stats=stats,
                               **kwargs)
         if fp_stats_log is not None:
             fp_stats_log.append(stats)

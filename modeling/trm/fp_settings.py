@@ -6,14 +6,16 @@ arguments.
 
 A config's ``__init__`` calls ``pop_fp_kwargs(kwargs)``: it takes every ``fp_*`` key out of ``kwargs``, fills the
 defaults, rejects unknown ``fp_*`` keys (a typo such as ``fp_slover`` is an error, not a new attribute) and validates
-the values. A forward pass calls ``fixed_point_kwargs(config, training, overrides)`` with per-call overrides such as
-``{"fp_max_iter": 64}`` (more test-time compute without touching the saved config).
+the values; ``FixedPointConfigMixin`` validates the settings ``from_pretrained(dir, fp_x=...)`` and later assignments
+bring. A forward pass takes per-call knobs as keywords (``model(ids, fp_max_iter=64)``: more test-time compute
+without touching the saved config), collects them with ``call_knobs`` and hands them to
+``fixed_point_kwargs(config, training, overrides)``.
 """
 
 import copy
 
 from .fp_backward import BACKWARDS
-from .fp_registry import check_number
+from .fp_registry import CheckedConfigMixin, check_number, reject_prefixed_keywords
 from .fp_solvers import SOLVERS, check_solve_args, solver_kwargs_check
 
 FP_DEFAULTS = {
@@ -125,31 +127,64 @@ def fixed_point_kwargs(config, training: bool, overrides: dict = None) -> dict:
     }
 
 
-def call_overrides(fp_overrides: dict = None, fp_max_iter: int = None, fp_tol: float = None) -> dict:
-    """Per-call overrides from a forward's named knobs (``generate(..., fp_max_iter=8, fp_tol=1e-4)``) and its
-    ``fp_overrides`` dict. A per-call ``fp_max_iter`` caps the solve in train and eval mode alike (it also replaces
-    ``fp_eval_max_iter``, unless ``fp_overrides`` sets that)."""
-    overrides = dict(fp_overrides or {})
-    if fp_max_iter is not None:
-        overrides["fp_max_iter"] = fp_max_iter
+def call_knobs(config, kwargs: dict, where: str, fp_overrides: dict = None, fp_max_iter: int = None,
+               fp_tol: float = None, allowed=()) -> dict:
+    """The per-call settings of one forward, validated against ``config``.
+
+    The canonical form is keywords, as transformers models take them: ``model(ids, fp_max_iter=8, fp_tol=1e-4)``
+    (named parameters of every forward, so ``generate`` and ``Trainer`` pass them on); any other ``fp_*`` setting is
+    a keyword too (taken out of ``kwargs`` here), and ``fp_overrides={...}`` takes the same keys as a dict (keywords
+    win).
+    A per-call ``fp_max_iter`` caps the solve in train and eval mode alike (it replaces ``fp_eval_max_iter`` and lowers
+    ``fp_min_iter`` to it, unless those are given in the same call). Any other ``fp*`` keyword in ``kwargs`` (not in
+    ``allowed``) is a ValueError naming it, and so is a value out of range.
+    """
+    named = {k: v for k, v in (("fp_max_iter", fp_max_iter), ("fp_tol", fp_tol)) if v is not None}
+    given = {k: kwargs.pop(k) for k in [k for k in kwargs if k in FP_DEFAULTS]}
+    reject_unknown_knobs(kwargs, allowed, where)
+    overrides = {**(fp_overrides or {}), **given, **named}
+    if "fp_max_iter" in overrides:
         overrides.setdefault("fp_eval_max_iter", None)
-    if fp_tol is not None:
-        overrides["fp_tol"] = fp_tol
+        min_iter = getattr(config, "fp_min_iter", 0)
+        if isinstance(overrides["fp_max_iter"], int):
+            overrides.setdefault("fp_min_iter", min(min_iter, overrides["fp_max_iter"]))
+    fp_settings(config, overrides)
     return overrides
 
 
 def reject_unknown_knobs(kwargs: dict, allowed, where: str) -> None:
     """A ``fp*`` keyword a forward does not know (a typo such as ``fp_max_iters``) is an error, not silently passed
     on to the attention functions."""
-    unknown = sorted(k for k in kwargs if k.startswith("fp") and k not in allowed)
-    if unknown:
-        raise ValueError(f"{where} got unknown fixed-point keyword(s) {unknown}. Per-call knobs: {sorted(allowed)}; "
-                         f"any other setting goes in fp_overrides={{...}} (keys: {sorted(FP_DEFAULTS)}).")
+    reject_prefixed_keywords(kwargs, "fp", allowed, where,
+                             f"Per-call fixed-point settings: {sorted(FP_DEFAULTS)}, as keywords or in "
+                             f"fp_overrides={{...}}; other keywords of this forward: {sorted(allowed)}.",
+                             kind="fixed-point keyword(s)")
+
+
+class FixedPointConfigMixin(CheckedConfigMixin):
+    """Put before ``PretrainedConfig`` in a config with the ``fp_*`` settings. ``from_pretrained(dir, fp_x=...)``
+    keywords join the saved settings before ``__init__`` validates them all together (transformers would set them one
+    by one after ``__init__``, unchecked); a later ``config.fp_x = value`` is validated against the other settings."""
+
+    def check_setting(self, key: str, value) -> None:
+        if key.startswith("fp_"):
+            if key not in FP_DEFAULTS:
+                raise _unknown_key_error([key], "the config")
+            current = vars(self)
+            if all(k in current for k in FP_DEFAULTS):  # constructed: ``__init__`` validated the settings as a whole
+                check_fp_settings({**{k: current[k] for k in FP_DEFAULTS}, key: value})
+        super().check_setting(key, value)
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        fp_kwargs = {k: kwargs.pop(k) for k in [k for k in kwargs if k.startswith("fp_")]}
+        return super().from_dict({**config_dict, **fp_kwargs}, **kwargs)
 
 
 __all__ = [
     "FP_DEFAULTS",
-    "call_overrides",
+    "FixedPointConfigMixin",
+    "call_knobs",
     "check_fp_settings",
     "fixed_point_kwargs",
     "fp_settings",

@@ -26,7 +26,7 @@ from .fp_reasoning import (
     trunc_normal_,
 )
 from .fp_registry import check_number  # noqa: F401  (see vendor.direct_import_problems)
-from .fp_settings import fixed_point_kwargs
+from .fp_settings import call_knobs, fixed_point_kwargs
 from .fp_solvers import solve
 from .fp_stats import FixedPointStats
 
@@ -101,10 +101,12 @@ class URMModel(URMPreTrainedModel):
 
     @can_return_tuple
     def forward(self, input_ids: torch.LongTensor, puzzle_identifiers: Optional[torch.LongTensor] = None,
-                state: Optional[dict] = None, fp_overrides: Optional[dict] = None, **kwargs) -> URMModelOutput:
+                state: Optional[dict] = None, fp_max_iter: Optional[int] = None, fp_tol: Optional[float] = None,
+                fp_overrides: Optional[dict] = None, **kwargs) -> URMModelOutput:
         """``kwargs``: the standard output switches (``output_hidden_states``: the input injection and the final
         state; ``return_dict``)."""
-        out = self.inner(input_ids, puzzle_identifiers, state, fp_overrides)
+        overrides = call_knobs(self.config, kwargs, type(self).__name__, fp_overrides, fp_max_iter, fp_tol)
+        out = self.inner(input_ids, puzzle_identifiers, state, overrides)
         return URMModelOutput(last_hidden_state=out["h"][:, self.config.puzzle_emb_len:], state=out["state"],
                               fp_stats=out["stats"], iterations=out["iterations"],
                               hidden_states=puzzle_hidden_states(self.config, out, kwargs))
@@ -122,9 +124,10 @@ class URMForPuzzles(PuzzleSolverMixin, URMPreTrainedModel):
     @can_return_tuple
     def forward(self, input_ids: torch.LongTensor, puzzle_identifiers: Optional[torch.LongTensor] = None,
                 labels: Optional[torch.LongTensor] = None, carry: Optional[dict] = None,
+                fp_max_iter: Optional[int] = None, fp_tol: Optional[float] = None,
                 fp_overrides: Optional[dict] = None, **kwargs) -> URMPuzzleOutput:
         return URMPuzzleOutput(**self.puzzle_forward(input_ids, puzzle_identifiers, labels, carry, fp_overrides,
-                                                     **kwargs))
+                                                     fp_max_iter=fp_max_iter, fp_tol=fp_tol, **kwargs))
 
 
 __all__ = ["URMForPuzzles", "URMModel", "URMPreTrainedModel"]

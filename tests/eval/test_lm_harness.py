@@ -120,6 +120,31 @@ def test_unknown_fp_knob_raises_with_valid_keys(model_dir):
         FixedPointLM(model_dir, trust_remote_code=True, fp_max_iter=0)  # value checked too
 
 
+def test_forward_knob_values_are_checked_at_load(tokenizer):
+    # A model_args knob that is also a config setting (Ouro's loop count) is checked as the config checks it, at load.
+    from hf_fixedpoint.modeling import OuroConfig, OuroForCausalLM
+
+    model = OuroForCausalLM(OuroConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48,
+                                       num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                       max_position_embeddings=64, total_ut_steps=2))
+    with pytest.raises(ValueError, match=r"total_ut_steps=0 is out of range; allowed values lie in \[1, inf\)"):
+        FixedPointLM(model, tokenizer=tokenizer, total_ut_steps=0)
+    assert FixedPointLM(model, tokenizer=tokenizer, total_ut_steps=1).forward_kwargs == {"total_ut_steps": 1}
+
+
+def test_fp_max_iter_caps_evaluation_over_fp_eval_max_iter(tmp_path, tokenizer):
+    # A per-call fp_max_iter replaces the config's evaluation cap (the lm-eval model runs in eval mode).
+    config = _config(tokenizer)
+    config.fp_eval_max_iter, config.fp_tol = 30, 1e-12
+    torch.manual_seed(0)
+    model = DEQLMForCausalLM(config)
+    lm = FixedPointLM(model, tokenizer=tokenizer, fp_max_iter=1)
+    ids = torch.tensor([tokenizer("gold red gold red").input_ids])
+    with torch.no_grad():
+        assert model.eval()(ids, **lm.call_kwargs()).fp_stats.nfe == 1
+        assert model(ids).fp_stats.nfe == 30
+
+
 def test_knobs_reach_forward_and_generate(model_dir):
     lm = FixedPointLM(model_dir, trust_remote_code=True, fp_max_iter=2, fp_tol=1e-3, batch_size=2)
     assert lm.device.type == "cpu" or torch.cuda.is_available()
