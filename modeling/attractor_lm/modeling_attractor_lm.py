@@ -247,11 +247,14 @@ class AttractorModel(AttractorPreTrainedModel):
         use_cache: Optional[bool] = None,
         fp_overrides: Optional[dict] = None,
         readout_iters: Optional[int] = None,
+        unrolled_iters: Optional[int] = None,
         output_hidden_states: Optional[bool] = None,
         output_attentions: Optional[bool] = None,
         **kwargs,
     ) -> AttractorModelOutput:
         past_key_values = pop_cache(past_key_values, kwargs)
+        if unrolled_iters is not None:
+            check_number(unrolled_iters, "unrolled_iters", low=1, integer=True)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds.")
         readout_iters = self.config.readout_iters if readout_iters is None else readout_iters
@@ -297,14 +300,12 @@ class AttractorModel(AttractorPreTrainedModel):
 
         # Attractor T_a: per-token fixed point from y0, iterating against the attractor's cached keys/values.
         past = self._attractor_past(past_key_values, past_len, T, y0)
-        fp_kwargs = fixed_point_kwargs(self.config, self.training, fp_overrides)
-        if readout_iters is not None:
-            fp_kwargs["max_iter"] = readout_iters
-            fp_kwargs["min_iter"] = min(fp_kwargs["min_iter"], readout_iters)
-        if fp_kwargs["backward"] == "ift" and self.config.adjoint_clip is not None:
-            fp_kwargs["backward_kwargs"]["clip"] = self.config.adjoint_clip
-        y_star, stats = fixed_point(self.attractor_map, y0, args=(y0, cos, sin, mask, *past), batch_dims=2,
-                                    compact=True, **fp_kwargs)
+        if unrolled_iters is not None:  # exactly k plain steps, no convergence test: nothing read on the host
+            y_star, stats = y0, None
+            for _ in range(unrolled_iters):
+                y_star = self.attractor_map(y_star, y0, cos, sin, mask, *past)
+        else:
+            y_star, stats = self._solve(y0, (y0, cos, sin, mask, *past), readout_iters, fp_overrides)
         if past_key_values is not None or record is not None:
             # One evaluation at the fixed point: writes the attractor's keys/values once, records the outputs.
             with torch.no_grad():
@@ -312,6 +313,16 @@ class AttractorModel(AttractorPreTrainedModel):
                                    record=record)
         return self._output(record, want_hidden, want_attn, last_hidden_state=self.norm(y_star), proposal=y0,
                             attractor_state=y_star, fp_stats=stats, **{CACHE_NAME: past_key_values})
+
+    def _solve(self, y0, args: tuple, readout_iters: Optional[int], fp_overrides: Optional[dict]):
+        """``fixed_point`` of the attractor map from ``y0`` with the config's ``fp_*`` settings (and this call's)."""
+        fp_kwargs = fixed_point_kwargs(self.config, self.training, fp_overrides)
+        if readout_iters is not None:
+            fp_kwargs["max_iter"] = readout_iters
+            fp_kwargs["min_iter"] = min(fp_kwargs["min_iter"], readout_iters)
+        if fp_kwargs["backward"] == "ift" and self.config.adjoint_clip is not None:
+            fp_kwargs["backward_kwargs"]["clip"] = self.config.adjoint_clip
+        return fixed_point(self.attractor_map, y0, args=args, batch_dims=2, compact=True, **fp_kwargs)
 
     def _check_cache(self, cache: Optional[Cache]) -> None:
         """Refuse cache layers the attractor cannot read (a static sliding window...) with a clear error."""
@@ -379,17 +390,21 @@ class AttractorForCausalLM(AttractorPreTrainedModel, GenerationMixin):
         logits_to_keep: int = 0,
         fp_overrides: Optional[dict] = None,
         readout_iters: Optional[int] = None,
+        unrolled_iters: Optional[int] = None,
         output_hidden_states: Optional[bool] = None,
         output_attentions: Optional[bool] = None,
         **kwargs,
     ) -> AttractorCausalLMOutput:
-        """``fp_overrides`` (e.g. ``{"fp_max_iter": 32}``) and ``readout_iters`` (0: decode the backbone proposal,
-        ``k``: at most ``k`` solver iterations) change this call only; ``generate`` passes them to every step.
-        ``kwargs`` reach the loss (``num_items_in_batch``, ``shift_labels``, ``ignore_index``)."""
+        """``fp_overrides`` (e.g. ``{"fp_max_iter": 32}``), ``readout_iters`` (0: decode the backbone proposal,
+        ``k``: at most ``k`` solver iterations) and ``unrolled_iters`` (``k``: exactly ``k`` plain iterations
+        ``y <- T_a(y, y0)`` from ``y0`` instead of the solve, with no convergence test and no ``fp_stats``: a compiled
+        decoding step then traces as one graph; ``readout_iters=0`` still wins) change this call only; ``generate``
+        passes them to every step. ``kwargs`` reach the loss (``num_items_in_batch``, ``shift_labels``,
+        ``ignore_index``)."""
         past_key_values = pop_cache(past_key_values, kwargs)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                         fp_overrides=fp_overrides, readout_iters=readout_iters,
+                         fp_overrides=fp_overrides, readout_iters=readout_iters, unrolled_iters=unrolled_iters,
                          output_hidden_states=output_hidden_states, output_attentions=output_attentions)
         hidden = out.last_hidden_state
         if logits_to_keep:

@@ -231,6 +231,28 @@ class TestAttractorLM(CausalLMChecksMixin, FixedPointModelTesterMixin):
         first = explained.break_reasons[0]
         assert "item()" in first.reason and first.user_stack[-1].filename.endswith("fp_solvers.py"), first
 
+    def test_unrolled_iters_is_the_capped_picard_solve_and_compiles_as_one_graph(self):
+        """``unrolled_iters=k``: k plain steps from y0, the solve with picard, ``fp_min_iter = fp_max_iter = k`` and
+        ``fp_return="last"``, without its per-iteration host read; a compiled static decoding step is one graph."""
+        model = self.build(AttractorForCausalLM, pad_token_id=0).eval()
+        ids = self.inputs(batch=3, length=6, seed=2)
+        capped = {"fp_solver": "picard", "fp_min_iter": 3, "fp_max_iter": 3, "fp_return": "last"}
+        with torch.no_grad():
+            unrolled = model(ids, use_cache=False, unrolled_iters=3)
+            torch.testing.assert_close(unrolled.logits, model(ids, use_cache=False, fp_overrides=capped).logits,
+                                       rtol=0, atol=0)
+            kw = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0, "unrolled_iters": 3}
+            assert torch.equal(model.generate(ids, cache_implementation="static", **kw), model.generate(ids, **kw))
+            cache = StaticCache(config=model.config, max_cache_len=10)
+            model(ids, past_key_values=cache, use_cache=True, unrolled_iters=3)
+            explained = torch._dynamo.explain(model)(ids[:, -1:], past_key_values=cache, use_cache=True,
+                                                     position_ids=torch.full((3, 1), 6), unrolled_iters=3)
+            with pytest.raises(ValueError, match="unrolled_iters=0 is out of range"):
+                model(ids, unrolled_iters=0)
+        torch._dynamo.reset()
+        assert unrolled.fp_stats is None
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
     def test_decode_step_reports_per_token_stats(self):
         model = self.build(AttractorForCausalLM).eval()
         ids = self.inputs()
