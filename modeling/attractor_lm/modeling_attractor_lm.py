@@ -333,6 +333,10 @@ class AttractorModel(AttractorPreTrainedModel):
                 raise ValueError(f"Attractor LM supports a DynamicCache or a StaticCache (cache layers DynamicLayer "
                                  f"or StaticLayer); got {type(cache).__name__} with a {type(layer).__name__}: the "
                                  "attractor reads the earlier tokens' keys/values as these layers hold them.")
+            if type(layer) is StaticLayer and not hasattr(layer, "cumulative_length"):  # placed by cache_position
+                raise ValueError("Attractor LM needs a StaticLayer that tracks its length (cumulative_length: "
+                                 "transformers 5.23 has it, 4.57 does not) for a StaticCache; use the default cache "
+                                 "(generate(..., cache_implementation=None)) with this transformers release.")
 
     def _attractor_past(self, cache: Optional[Cache], past_len, T: int, y0) -> tuple:
         """The earlier tokens' attractor keys/values for the solve: ``()`` without a cache or before the first token;

@@ -214,6 +214,11 @@ class TestAttractorLM(CausalLMChecksMixin, FixedPointModelTesterMixin):
         with pytest.raises(ValueError, match="DynamicCache or a StaticCache .* got StaticCache with a "
                                              "StaticSlidingWindowLayer"):
             model(self.inputs(), past_key_values=cache, use_cache=True)
+        old_release = StaticCache(config=model.config, max_cache_len=10)  # transformers 4.57's StaticLayer
+        for layer in old_release.layers:
+            del layer.cumulative_length
+        with pytest.raises(ValueError, match="needs a StaticLayer that tracks its length"):
+            model(self.inputs(), past_key_values=old_release, use_cache=True)
 
     def test_compiled_static_decode_step_breaks_only_in_the_solve(self):
         """What compiled generation compiles: a decoding step with a filled static cache. The solve's convergence
