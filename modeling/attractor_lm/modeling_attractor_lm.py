@@ -271,8 +271,8 @@ class AttractorModel(AttractorPreTrainedModel):
         self._check_cache(past_key_values)
         B, T, _ = inputs_embeds.shape
         past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
-        if position_ids is None:
-            position_ids = torch.arange(past_len, past_len + T, device=inputs_embeds.device)
+        if position_ids is None:  # a static cache's length is a tensor: added, never read on the host
+            position_ids = torch.arange(T, device=inputs_embeds.device) + past_len
         position_ids = position_ids.expand(B, T)
         if isinstance(attention_mask, dict):  # generate's prepared masks (static cache): one per attention type
             mask = attention_mask["full_attention"]

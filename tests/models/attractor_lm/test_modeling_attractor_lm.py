@@ -251,7 +251,7 @@ class TestAttractorLM(CausalLMChecksMixin, FixedPointModelTesterMixin):
             cache = StaticCache(config=model.config, max_cache_len=10)
             model(ids, past_key_values=cache, use_cache=True, unrolled_iters=3)
             explained = torch._dynamo.explain(model)(ids[:, -1:], past_key_values=cache, use_cache=True,
-                                                     position_ids=torch.full((3, 1), 6), unrolled_iters=3)
+                                                     unrolled_iters=3)  # positions from the cache's length
             with pytest.raises(ValueError, match="unrolled_iters=0 is out of range"):
                 model(ids, unrolled_iters=0)
         torch._dynamo.reset()
