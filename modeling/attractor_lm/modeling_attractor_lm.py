@@ -113,6 +113,8 @@ class AttractorAttention(nn.Module):
         v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if v.dtype != k.dtype:  # autocast: the normed keys are float32, the values not; a static cache holds one dtype
+            v = v.to(k.dtype)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
         elif past_kv is not None and len(past_kv) == 3:  # static buffer (B, nkv, max_cache_len, hd), not written
@@ -299,7 +301,7 @@ class AttractorModel(AttractorPreTrainedModel):
                                 **{CACHE_NAME: past_key_values})
 
         # Attractor T_a: per-token fixed point from y0, iterating against the attractor's cached keys/values.
-        past = self._attractor_past(past_key_values, past_len, T, y0)
+        past = self._attractor_past(past_key_values, past_len, T)
         if unrolled_iters is not None:  # exactly k plain steps, no convergence test: nothing read on the host
             y_star, stats = y0, None
             for _ in range(unrolled_iters):
@@ -338,7 +340,7 @@ class AttractorModel(AttractorPreTrainedModel):
                                  "transformers 5.23 has it, 4.57 does not) for a StaticCache; use the default cache "
                                  "(generate(..., cache_implementation=None)) with this transformers release.")
 
-    def _attractor_past(self, cache: Optional[Cache], past_len, T: int, y0) -> tuple:
+    def _attractor_past(self, cache: Optional[Cache], past_len, T: int) -> tuple:
         """The earlier tokens' attractor keys/values for the solve: ``()`` without a cache or before the first token;
         a dynamic cache's keys then values (exactly ``past_len`` long); a static cache's whole buffers, then each
         layer's start slot (a 0-dim tensor: no host sync, so a compiled decoding step does not break here)."""
@@ -353,8 +355,8 @@ class AttractorModel(AttractorPreTrainedModel):
             if written is not None and any(int(c.get_seq_length()) + T != written for c in layers):
                 raise lagging
             for c in layers:
-                if not c.is_initialized:  # the first tokens: allocate the zero buffers as a first update would
-                    empty = y0.new_empty(y0.shape[0], self.config.num_key_value_heads, 0, self.config.head_dim)
+                if not c.is_initialized:  # the first tokens: zero buffers shaped like the backbone's (just written)
+                    empty = cache.layers[0].keys[:, :, :0]  # (B, nkv, 0, hd), the keys' dtype and device
                     c.lazy_initialization(empty, empty)
             return (tuple(c.keys for c in layers) + tuple(c.values for c in layers)
                     + tuple(c.cumulative_length for c in layers))

@@ -198,6 +198,18 @@ class TestAttractorLM(CausalLMChecksMixin, FixedPointModelTesterMixin):
         if beams == 1:  # every layer holds the 6 + 7 tokens that were fed, the attractor's at their fixed points
             assert all(int(layer.get_seq_length()) == 13 for layer in cache.layers)
 
+    def test_static_cache_under_bf16_autocast(self):
+        """Under autocast the normed keys are float32 and the values bfloat16; a static layer holds one dtype (its
+        update failed in index_copy_), so the values are stored as the keys' dtype: same tokens and scores."""
+        model = self.build(AttractorForCausalLM, fp_tol=1e-2, pad_token_id=0).eval()
+        ids = self.inputs(seed=3)
+        kw = {"max_new_tokens": 5, "do_sample": False, "output_scores": True, "return_dict_in_generate": True}
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            dynamic = model.generate(ids, **kw)
+            static = model.generate(ids, cache_implementation="static", **kw)
+        assert torch.equal(static.sequences, dynamic.sequences)
+        torch.testing.assert_close(torch.stack(static.scores), torch.stack(dynamic.scores), rtol=0, atol=1e-6)
+
     def test_static_cache_filled_without_attractor_keys_is_refused(self):
         model = self.build(AttractorForCausalLM).eval()
         ids = self.inputs()
