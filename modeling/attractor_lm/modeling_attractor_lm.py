@@ -8,7 +8,9 @@ of those scaled outputs). Small gates keep ``T_a`` a contraction, so the solve c
 
 Generation with a KV cache: the backbone layers use the cache as usual; the attractor layers iterate against the
 cached keys/values of earlier tokens (read, never written, during the solve) and write the keys/values of the new
-tokens once, at their fixed point.
+tokens once, at their fixed point. With a ``StaticCache`` (``generate(..., cache_implementation="static")``, the cache
+of compiled generation) the attractor reads the whole preallocated buffer, with the iterate's keys/values placed at
+the new tokens' slots out of place, under the buffer-wide mask generate prepares.
 """
 
 from dataclasses import dataclass
@@ -18,7 +20,7 @@ import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, StaticLayer
 from transformers.modeling_outputs import ModelOutput
 from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
@@ -36,7 +38,6 @@ from .fp_compat import (
     create_causal_mask,
     init,
     pop_cache,
-    require_dynamic_cache,
 )
 from .fp_registry import check_number
 from .fp_settings import call_knobs, fixed_point_kwargs
@@ -80,7 +81,9 @@ class AttractorAttention(nn.Module):
     """Causal self-attention with QK-norm and rotary embeddings (transformers' attention functions).
 
     ``past_key_values`` (a ``Cache``) is updated with this call's keys/values; ``past_kv`` (a ``(keys, values)``
-    pair read from a cache) is only prepended, which is how the attractor iterates without writing.
+    pair read from a cache) is only prepended, which is how the attractor iterates without writing. A ``(keys, values,
+    start)`` triple is a static cache's whole buffer: this call's keys/values are placed at slots ``start, start + 1,
+    ...`` of a copy (``start`` a 0-dim tensor, as ``StaticLayer.update`` places them in place).
     """
 
     def __init__(self, config: AttractorConfig, layer_idx: int):
@@ -110,8 +113,13 @@ class AttractorAttention(nn.Module):
         v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if v.dtype != k.dtype:  # autocast: the normed keys are float32, the values not; a static cache holds one dtype
+            v = v.to(k.dtype)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
+        elif past_kv is not None and len(past_kv) == 3:  # static buffer (B, nkv, max_cache_len, hd), not written
+            slots = torch.arange(k.shape[-2], device=k.device) + past_kv[2]
+            k, v = past_kv[0].index_copy(2, slots, k), past_kv[1].index_copy(2, slots, v)
         elif past_kv is not None:
             k, v = torch.cat([past_kv[0], k], dim=-2), torch.cat([past_kv[1], v], dim=-2)
         attention = attention_function(self.config._attn_implementation, eager_attention_forward)
@@ -209,7 +217,8 @@ class AttractorModel(AttractorPreTrainedModel):
         self.post_init()
 
     def attractor_map(self, y, y0, cos, sin, mask, *past, cache=None, record=None):
-        """``T_a(y, y0)``. ``past``: per attractor layer, cached keys then values of earlier tokens (read only);
+        """``T_a(y, y0)``. ``past``: per attractor layer, cached keys then values of earlier tokens (read only; with a
+        static cache followed by each layer's 0-dim start slot, see ``AttractorAttention``);
         ``cache``: a ``Cache`` to write this call's keys/values into (used once, at the fixed point); ``record``:
         ``{"hidden_states": [...], "attentions": [...]}`` lists to append the layers' outputs and weights to."""
         inj = self.config.injection
@@ -222,7 +231,7 @@ class AttractorModel(AttractorPreTrainedModel):
         n = len(self.attractor)
         h = u
         for i, layer in enumerate(self.attractor):
-            past_kv = (past[i], past[n + i]) if past else None
+            past_kv = past[i::n] if past else None  # (keys, values) or (keys, values, start) of layer i
             h = layer(h, (cos, sin), mask, past_key_values=cache, past_kv=past_kv,
                       weights=None if record is None else record["attentions"])
             if record is not None:
@@ -242,6 +251,7 @@ class AttractorModel(AttractorPreTrainedModel):
         fp_tol: Optional[float] = None,
         fp_overrides: Optional[dict] = None,
         readout_iters: Optional[int] = None,
+        unrolled_iters: Optional[int] = None,
         output_hidden_states: Optional[bool] = None,
         output_attentions: Optional[bool] = None,
         **kwargs,
@@ -251,9 +261,8 @@ class AttractorModel(AttractorPreTrainedModel):
         ``fp_max_iter``, which wins over ``config.readout_iters``)."""
         past_key_values = pop_cache(past_key_values, kwargs)
         overrides = call_knobs(self.config, kwargs, type(self).__name__, fp_overrides, fp_max_iter, fp_tol)
-        require_dynamic_cache(past_key_values, "Attractor LM", "each new token's attractor iterates against the "
-                              "earlier tokens' cached keys/values read as tensors of exactly the cached length, which "
-                              "a preallocated static cache does not hold")
+        if unrolled_iters is not None:
+            check_number(unrolled_iters, "unrolled_iters", low=1, integer=True)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds.")
         if readout_iters is None and "fp_max_iter" not in overrides:
@@ -268,13 +277,18 @@ class AttractorModel(AttractorPreTrainedModel):
             past_key_values = DynamicCache(config=self.config)
         if not use_cache:
             past_key_values = None
+        self._check_cache(past_key_values)
         B, T, _ = inputs_embeds.shape
         past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
-        if position_ids is None:
-            position_ids = torch.arange(past_len, past_len + T, device=inputs_embeds.device)
+        if position_ids is None:  # a static cache's length is a tensor: added, never read on the host
+            position_ids = torch.arange(T, device=inputs_embeds.device) + past_len
         position_ids = position_ids.expand(B, T)
-        mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                                  past_key_values=past_key_values, position_ids=position_ids)
+        if isinstance(attention_mask, dict):  # generate's prepared masks (static cache): one per attention type
+            mask = attention_mask["full_attention"]
+        else:
+            mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds,
+                                      attention_mask=attention_mask, past_key_values=past_key_values,
+                                      position_ids=position_ids)
         cos, sin = self.rotary_emb(inputs_embeds, position_ids)  # (B, T, hd) each
 
         want_hidden = self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
@@ -294,22 +308,13 @@ class AttractorModel(AttractorPreTrainedModel):
                                 **{CACHE_NAME: past_key_values})
 
         # Attractor T_a: per-token fixed point from y0, iterating against the attractor's cached keys/values.
-        past = ()
-        if past_key_values is not None and past_len > 0:
-            layers = [past_key_values.layers[layer.self_attn.layer_idx] for layer in self.attractor]
-            if all(c.is_initialized and c.get_seq_length() == past_len for c in layers):
-                past = tuple(c.keys for c in layers) + tuple(c.values for c in layers)
-            else:
-                raise ValueError("the cache has no attractor keys/values for the earlier tokens (they were computed "
-                                 "with readout_iters=0); generate with the same readout_iters throughout.")
-        fp_kwargs = fixed_point_kwargs(self.config, self.training, overrides)
-        if readout_iters is not None:
-            fp_kwargs["max_iter"] = readout_iters
-            fp_kwargs["min_iter"] = min(fp_kwargs["min_iter"], readout_iters)
-        if fp_kwargs["backward"] == "ift" and self.config.adjoint_clip is not None:
-            fp_kwargs["backward_kwargs"]["clip"] = self.config.adjoint_clip
-        y_star, stats = fixed_point(self.attractor_map, y0, args=(y0, cos, sin, mask, *past), batch_dims=2,
-                                    compact=True, **fp_kwargs)
+        past = self._attractor_past(past_key_values, past_len, T)
+        if unrolled_iters is not None:  # exactly k plain steps, no convergence test: nothing read on the host
+            y_star, stats = y0, None
+            for _ in range(unrolled_iters):
+                y_star = self.attractor_map(y_star, y0, cos, sin, mask, *past)
+        else:
+            y_star, stats = self._solve(y0, (y0, cos, sin, mask, *past), readout_iters, overrides)
         if past_key_values is not None or record is not None:
             # One evaluation at the fixed point: writes the attractor's keys/values once, records the outputs.
             with torch.no_grad():
@@ -317,6 +322,54 @@ class AttractorModel(AttractorPreTrainedModel):
                                    record=record)
         return self._output(record, want_hidden, want_attn, last_hidden_state=self.norm(y_star), proposal=y0,
                             attractor_state=y_star, fp_stats=stats, **{CACHE_NAME: past_key_values})
+
+    def _solve(self, y0, args: tuple, readout_iters: Optional[int], fp_overrides: Optional[dict]):
+        """``fixed_point`` of the attractor map from ``y0`` with the config's ``fp_*`` settings (and this call's)."""
+        fp_kwargs = fixed_point_kwargs(self.config, self.training, fp_overrides)
+        if readout_iters is not None:
+            fp_kwargs["max_iter"] = readout_iters
+            fp_kwargs["min_iter"] = min(fp_kwargs["min_iter"], readout_iters)
+        if fp_kwargs["backward"] == "ift" and self.config.adjoint_clip is not None:
+            fp_kwargs["backward_kwargs"]["clip"] = self.config.adjoint_clip
+        return fixed_point(self.attractor_map, y0, args=args, batch_dims=2, compact=True, **fp_kwargs)
+
+    def _check_cache(self, cache: Optional[Cache]) -> None:
+        """Refuse cache layers the attractor cannot read (a static sliding window...) with a clear error."""
+        if cache is None:
+            return
+        for layer in cache.layers:
+            if not isinstance(layer, DynamicLayer) and type(layer) is not StaticLayer:
+                raise ValueError(f"Attractor LM supports a DynamicCache or a StaticCache (cache layers DynamicLayer "
+                                 f"or StaticLayer); got {type(cache).__name__} with a {type(layer).__name__}: the "
+                                 "attractor reads the earlier tokens' keys/values as these layers hold them.")
+            if type(layer) is StaticLayer and not hasattr(layer, "cumulative_length"):  # placed by cache_position
+                raise ValueError("Attractor LM needs a StaticLayer that tracks its length (cumulative_length: "
+                                 "transformers 5.23 has it, 4.57 does not) for a StaticCache; use the default cache "
+                                 "(generate(..., cache_implementation=None)) with this transformers release.")
+
+    def _attractor_past(self, cache: Optional[Cache], past_len, T: int) -> tuple:
+        """The earlier tokens' attractor keys/values for the solve: ``()`` without a cache or before the first token;
+        a dynamic cache's keys then values (exactly ``past_len`` long); a static cache's whole buffers, then each
+        layer's start slot (a 0-dim tensor: no host sync, so a compiled decoding step does not break here)."""
+        if cache is None or (not isinstance(cache.layers[0], StaticLayer) and past_len == 0):
+            return ()
+        layers = [cache.layers[layer.self_attn.layer_idx] for layer in self.attractor]
+        lagging = ValueError("the cache has no attractor keys/values for the earlier tokens (they were computed with "
+                             "readout_iters=0); generate with the same readout_iters throughout.")
+        if isinstance(layers[0], StaticLayer):
+            # The backbone wrote this call's T tokens already; the attractor's layers must hold the tokens before.
+            written = int(cache.layers[0].get_seq_length()) if not torch.compiler.is_compiling() else None
+            if written is not None and any(int(c.get_seq_length()) + T != written for c in layers):
+                raise lagging
+            for c in layers:
+                if not c.is_initialized:  # the first tokens: zero buffers shaped like the backbone's (just written)
+                    empty = cache.layers[0].keys[:, :, :0]  # (B, nkv, 0, hd), the keys' dtype and device
+                    c.lazy_initialization(empty, empty)
+            return (tuple(c.keys for c in layers) + tuple(c.values for c in layers)
+                    + tuple(c.cumulative_length for c in layers))
+        if not all(c.is_initialized and c.get_seq_length() == past_len for c in layers):
+            raise lagging
+        return tuple(c.keys for c in layers) + tuple(c.values for c in layers)
 
     @staticmethod
     def _output(record, want_hidden, want_attn, **fields) -> AttractorModelOutput:
@@ -352,19 +405,22 @@ class AttractorForCausalLM(AttractorPreTrainedModel, GenerationMixin):
         fp_tol: Optional[float] = None,
         fp_overrides: Optional[dict] = None,
         readout_iters: Optional[int] = None,
+        unrolled_iters: Optional[int] = None,
         output_hidden_states: Optional[bool] = None,
         output_attentions: Optional[bool] = None,
         **kwargs,
     ) -> AttractorCausalLMOutput:
-        """``fp_max_iter=32`` (any ``fp_*`` setting as a keyword, or ``fp_overrides={...}``) and ``readout_iters``
-        (0: decode the backbone proposal, ``k``: at most ``k`` solver iterations) change this call only; ``generate``
-        passes them to every step. Other ``kwargs`` reach the loss (``num_items_in_batch``, ``shift_labels``,
-        ``ignore_index``)."""
+        """``fp_max_iter=32`` (any ``fp_*`` setting as a keyword, or ``fp_overrides={...}``), ``readout_iters``
+        (0: decode the backbone proposal, ``k``: at most ``k`` solver iterations) and ``unrolled_iters`` (``k``:
+        exactly ``k`` plain iterations ``y <- T_a(y, y0)`` from ``y0`` instead of the solve, with no convergence test
+        and no ``fp_stats``: a compiled decoding step then traces as one graph; ``readout_iters=0`` still wins) change
+        this call only; ``generate`` passes them to every step. Other ``kwargs`` reach the loss
+        (``num_items_in_batch``, ``shift_labels``, ``ignore_index``)."""
         past_key_values = pop_cache(past_key_values, kwargs)
         overrides = call_knobs(self.config, kwargs, type(self).__name__, fp_overrides, fp_max_iter, fp_tol)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                         fp_overrides=overrides, readout_iters=readout_iters,
+                         fp_overrides=overrides, readout_iters=readout_iters, unrolled_iters=unrolled_iters,
                          output_hidden_states=output_hidden_states, output_attentions=output_attentions)
         hidden = out.last_hidden_state
         if logits_to_keep:

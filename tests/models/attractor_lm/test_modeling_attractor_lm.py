@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from transformers import StaticCache
+from transformers.cache_utils import StaticSlidingWindowLayer
 
 from hf_fixedpoint.core import fixed_point
 from hf_fixedpoint.modeling import AttractorConfig, AttractorForCausalLM, AttractorModel
@@ -172,6 +174,101 @@ class TestAttractorLM(CausalLMChecksMixin, FixedPointModelTesterMixin):
         cache = cached.past_key_values
         n_layers = model.config.num_backbone_layers + model.config.num_attractor_layers
         assert len(cache.layers) == n_layers and all(c.get_seq_length() == 5 + 11 for c in cache.layers)
+
+    @pytest.mark.parametrize("beams", [1, 3])
+    def test_static_cache_generates_the_dynamic_cache_tokens(self, beams):
+        """``cache_implementation="static"`` (compiled generation's cache) was refused: the attractor read the cached
+        keys as tensors of exactly the cached length. Now it iterates against the whole static buffer (the iterate's
+        keys placed at the new token's slot out of place) and gives the dynamic cache's tokens, greedy and beam
+        search, on a left-padded batch."""
+        model = self.build(AttractorForCausalLM, fp_tol=1e-11, fp_max_iter=200, pad_token_id=0).double().eval()
+        ids = self.inputs(batch=3, length=6, seed=2)
+        mask = torch.ones_like(ids)
+        mask[0, :3] = 0
+        ids = ids.masked_fill(mask == 0, 0)
+        kw = {"attention_mask": mask, "max_new_tokens": 8, "do_sample": False, "pad_token_id": 0, "num_beams": beams}
+        with torch.no_grad():
+            dynamic = model.generate(ids, **kw)
+            if beams == 1:
+                cache = StaticCache(config=model.config, max_cache_len=16)
+                static = model.generate(ids, past_key_values=cache, **kw)
+            else:
+                static = model.generate(ids, cache_implementation="static", **kw)
+        assert torch.equal(static, dynamic)
+        if beams == 1:  # every layer holds the 6 + 7 tokens that were fed, the attractor's at their fixed points
+            assert all(int(layer.get_seq_length()) == 13 for layer in cache.layers)
+
+    def test_static_cache_under_bf16_autocast(self):
+        """Under autocast the normed keys are float32 and the values bfloat16; a static layer holds one dtype (its
+        update failed in index_copy_), so the values are stored as the keys' dtype: same tokens and scores."""
+        model = self.build(AttractorForCausalLM, fp_tol=1e-2, pad_token_id=0).eval()
+        ids = self.inputs(seed=3)
+        kw = {"max_new_tokens": 5, "do_sample": False, "output_scores": True, "return_dict_in_generate": True}
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            dynamic = model.generate(ids, **kw)
+            static = model.generate(ids, cache_implementation="static", **kw)
+        assert torch.equal(static.sequences, dynamic.sequences)
+        torch.testing.assert_close(torch.stack(static.scores), torch.stack(dynamic.scores), rtol=0, atol=1e-6)
+
+    def test_static_cache_filled_without_attractor_keys_is_refused(self):
+        model = self.build(AttractorForCausalLM).eval()
+        ids = self.inputs()
+        cache = StaticCache(config=model.config, max_cache_len=10)
+        with torch.no_grad():
+            model(ids, past_key_values=cache, use_cache=True, readout_iters=0)
+            with pytest.raises(ValueError, match="no attractor keys/values .* same readout_iters throughout"):
+                model(ids[:, :1], past_key_values=cache, use_cache=True)
+
+    def test_cache_layers_it_cannot_read_are_refused(self):
+        model = self.build(AttractorForCausalLM).eval()
+        cache = StaticCache(config=model.config, max_cache_len=10)
+        cache.layers[0] = StaticSlidingWindowLayer(max_cache_len=10, sliding_window=4)
+        with pytest.raises(ValueError, match="DynamicCache or a StaticCache .* got StaticCache with a "
+                                             "StaticSlidingWindowLayer"):
+            model(self.inputs(), past_key_values=cache, use_cache=True)
+        old_release = StaticCache(config=model.config, max_cache_len=10)  # transformers 4.57's StaticLayer
+        for layer in old_release.layers:
+            del layer.cumulative_length
+        with pytest.raises(ValueError, match="needs a StaticLayer that tracks its length"):
+            model(self.inputs(), past_key_values=old_release, use_cache=True)
+
+    def test_compiled_static_decode_step_breaks_only_in_the_solve(self):
+        """What compiled generation compiles: a decoding step with a filled static cache. The solve's convergence
+        test reads one number per iteration on the host, so the graph breaks there (torch._dynamo.explain); the
+        embedding, the backbone, the masks and the cache reads before it trace without a break."""
+        model = self.build(AttractorForCausalLM).eval()
+        ids = self.inputs()
+        cache = StaticCache(config=model.config, max_cache_len=10)
+        with torch.no_grad():
+            model(ids, past_key_values=cache, use_cache=True)
+            explained = torch._dynamo.explain(model)(ids[:, -1:], past_key_values=cache, use_cache=True,
+                                                     position_ids=torch.full((2, 1), 6))
+        torch._dynamo.reset()
+        assert explained.graph_break_count > 0
+        first = explained.break_reasons[0]
+        assert "item()" in first.reason and first.user_stack[-1].filename.endswith("fp_solvers.py"), first
+
+    def test_unrolled_iters_is_the_capped_picard_solve_and_compiles_as_one_graph(self):
+        """``unrolled_iters=k``: k plain steps from y0, the solve with picard, ``fp_min_iter = fp_max_iter = k`` and
+        ``fp_return="last"``, without its per-iteration host read; a compiled static decoding step is one graph."""
+        model = self.build(AttractorForCausalLM, pad_token_id=0).eval()
+        ids = self.inputs(batch=3, length=6, seed=2)
+        capped = {"fp_solver": "picard", "fp_min_iter": 3, "fp_max_iter": 3, "fp_return": "last"}
+        with torch.no_grad():
+            unrolled = model(ids, use_cache=False, unrolled_iters=3)
+            torch.testing.assert_close(unrolled.logits, model(ids, use_cache=False, fp_overrides=capped).logits,
+                                       rtol=0, atol=0)
+            kw = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0, "unrolled_iters": 3}
+            assert torch.equal(model.generate(ids, cache_implementation="static", **kw), model.generate(ids, **kw))
+            cache = StaticCache(config=model.config, max_cache_len=10)
+            model(ids, past_key_values=cache, use_cache=True, unrolled_iters=3)
+            explained = torch._dynamo.explain(model)(ids[:, -1:], past_key_values=cache, use_cache=True,
+                                                     unrolled_iters=3)  # positions from the cache's length
+            with pytest.raises(ValueError, match="unrolled_iters=0 is out of range"):
+                model(ids, unrolled_iters=0)
+        torch._dynamo.reset()
+        assert unrolled.fp_stats is None
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
     def test_decode_step_reports_per_token_stats(self):
         model = self.build(AttractorForCausalLM).eval()
