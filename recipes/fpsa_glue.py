@@ -17,7 +17,7 @@ trust_remote_code=True)`` where hf-fixedpoint is not installed, and writes ``met
 """
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -133,7 +133,7 @@ def main():
                 "hf_fixedpoint.eval.local_metrics.load_metric('glue', 'ax'))") if args.task_name == "ax" else ""
         raise ValueError(f"task_name must be one of {list(TASKS)}, got {args.task_name!r}{hint}")
     accelerator = fpsa_training.make_accelerator(args)
-    accelerator.print(f"args: {json.dumps(asdict(args))}")
+    accelerator.print(f"args: {json.dumps(args.to_dict())}")
     model_path = args.model_name_or_path or fpsa_training.default_bert_path()
     (text_a, text_b), num_labels, _ = TASKS[args.task_name]
 

@@ -18,7 +18,7 @@ trust_remote_code=True)``.
 
 import collections
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -135,7 +135,7 @@ def evaluate_squad(model, tokenizer, features, examples, accelerator, args):
 def main():
     (args,) = HfArgumentParser(SquadArgs).parse_args_into_dataclasses()
     accelerator = fpsa_training.make_accelerator(args)
-    accelerator.print(f"args: {json.dumps(asdict(args))}")
+    accelerator.print(f"args: {json.dumps(args.to_dict())}")
     model_path = args.model_name_or_path or fpsa_training.default_bert_path()
 
     # Data: overlapping question + context windows with span labels (training) or offsets (evaluation).

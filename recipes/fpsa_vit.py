@@ -21,7 +21,7 @@ trust_remote_code=True)``.
 """
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -125,7 +125,7 @@ def evaluate_vit(model, loader, accelerator):
 def main():
     (args,) = HfArgumentParser(ViTArgs).parse_args_into_dataclasses()
     accelerator = fpsa_training.make_accelerator(args)
-    accelerator.print(f"args: {json.dumps(asdict(args))}")
+    accelerator.print(f"args: {json.dumps(args.to_dict())}")
 
     # Model first: a checkpoint fixes the image size and channels the data must have.
     model = build_model(args)

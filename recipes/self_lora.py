@@ -35,7 +35,7 @@ import os
 import random
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import List, Optional
 
 import torch
@@ -59,6 +59,7 @@ from hf_fixedpoint.core.fp_fpsa import FPSAStats
 from hf_fixedpoint.core.fp_registry import check_number
 from hf_fixedpoint.hub import export
 from hf_fixedpoint.modeling import SelfLlamaForCausalLM, SelfMistralForCausalLM
+from hf_fixedpoint.recipe_args import end_tracking, push_output
 
 # config.model_type of the checkpoint -> the SELF class that retrofits it.
 ARCHITECTURES = {"llama": SelfLlamaForCausalLM, "self_llama": SelfLlamaForCausalLM,
@@ -315,7 +316,7 @@ def main(argv=None):
         check_number(cap, "eval_fp_max_iter", low=1, integer=True)
     check_number(args.gradient_accumulation_steps, "gradient_accumulation_steps", low=1, integer=True)
     accelerator = fpsa_training.make_accelerator(args)
-    accelerator.print(f"args: {json.dumps(asdict(args), default=str)}")
+    accelerator.print(f"args: {json.dumps(args.to_dict(), default=str)}")
     if args.model_name_or_path is None:
         from hf_fixedpoint.resources import smollm2_path
 
@@ -369,6 +370,10 @@ def main(argv=None):
                 json.dump(metrics, fh, indent=2)
         accelerator.print(f"exported the merged model to {args.output_dir} (AutoModelForCausalLM.from_pretrained(dir, "
                           f"trust_remote_code=True)) and the adapter to {args.output_dir}/adapter")
+    push_output(args, accelerator, model, args.output_dir,
+                description=f"{model_class.__name__} retrofit of {args.model_name_or_path} with LoRA, merged "
+                            "(recipes/self_lora.py).")
+    end_tracking(accelerator)
     return metrics
 
 
