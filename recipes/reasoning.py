@@ -61,7 +61,7 @@ from hf_fixedpoint.puzzles.evaluation import (
     scored_rows,
     sequence_correct,
 )
-from hf_fixedpoint.recipe_args import RecipeArgs, log_scalars, push_output, start_tracking, tracking
+from hf_fixedpoint.recipe_args import RecipeArgs, log_scalars, progress_bar, push_output, start_run, tracking
 
 PRESETS = ("none", "official")
 OPTIMIZERS = ("adamatan2", "adamw")
@@ -309,7 +309,8 @@ def evaluate(model, ds, meta, args, device, blank_id=False):
     ``blank_id``: every row's puzzle id replaced by the blank id 0."""
     model.eval()
     preds, labels, scores, iters = [], [], [], []
-    for b in batches(ds, args.eval_batch_size, device, shuffle=False, drop_last=False):
+    for b in progress_bar(batches(ds, args.eval_batch_size, device, shuffle=False, drop_last=False), "eval",
+                          total=-(-len(ds) // args.eval_batch_size), leave=False):
         if blank_id:
             b["puzzle_identifiers"] = torch.zeros_like(b["puzzle_identifiers"])
         if args.model == "fprm":  # one full solve: iterations adapt to the puzzle
@@ -379,8 +380,7 @@ def main(argv=None):
     args = parse_args(argv)
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), **tracking(args))
     set_seed(args.seed)
-    accelerator.print(f"args: {json.dumps(args.to_dict())}")
-    start_tracking(accelerator, args)
+    start_run(accelerator, args)
 
     # 1. Data.
     train_ds, meta, test_sets = build_data(args)

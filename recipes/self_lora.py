@@ -59,7 +59,7 @@ from hf_fixedpoint.core.fp_fpsa import FPSAStats
 from hf_fixedpoint.core.fp_registry import check_number
 from hf_fixedpoint.hub import export
 from hf_fixedpoint.modeling import SelfLlamaForCausalLM, SelfMistralForCausalLM
-from hf_fixedpoint.recipe_args import end_tracking, push_output
+from hf_fixedpoint.recipe_args import end_tracking, progress_bar, push_output
 
 # config.model_type of the checkpoint -> the SELF class that retrofits it.
 ARCHITECTURES = {"llama": SelfLlamaForCausalLM, "self_llama": SelfLlamaForCausalLM,
@@ -269,7 +269,8 @@ def evaluate(model, tokenizer, eval_set, args, accelerator, fp_max_iter: int) ->
     tol = {} if args.eval_fp_tol is None else {"fp_tol": args.eval_fp_tol}
     records, stats, seconds, new_tokens = [], [], 0.0, 0
     with accelerator.split_between_processes(list(eval_set)) as part:
-        for start in range(0, len(part), args.per_device_eval_batch_size):
+        for start in progress_bar(range(0, len(part), args.per_device_eval_batch_size), f"eval cap {fp_max_iter}",
+                                  leave=False):
             batch = part[start : start + args.per_device_eval_batch_size]
             enc = tokenizer([PROMPT.format(question=e["question"]) for e in batch], return_tensors="pt",
                             padding=True).to(accelerator.device)
@@ -316,7 +317,6 @@ def main(argv=None):
         check_number(cap, "eval_fp_max_iter", low=1, integer=True)
     check_number(args.gradient_accumulation_steps, "gradient_accumulation_steps", low=1, integer=True)
     accelerator = fpsa_training.make_accelerator(args)
-    accelerator.print(f"args: {json.dumps(args.to_dict(), default=str)}")
     if args.model_name_or_path is None:
         from hf_fixedpoint.resources import smollm2_path
 

@@ -22,7 +22,6 @@ one loop count per micro-batch (log-normal mu 1.7, sigma 0.4, clipped to [1, 16]
 ``accelerator.save_state`` checkpoints and ``--resume_from_checkpoint``.
 """
 
-import json
 import math
 import os
 import string
@@ -41,7 +40,7 @@ from transformers.optimization import get_wsd_schedule
 
 from hf_fixedpoint.checkpointing import Checkpointer, Preemption, Stateful, staged_folder, write_json
 from hf_fixedpoint.modeling import OuroConfig, OuroForCausalLM
-from hf_fixedpoint.recipe_args import RecipeArgs, end_tracking, log_scalars, push_output, start_tracking, tracking
+from hf_fixedpoint.recipe_args import RecipeArgs, end_tracking, log_scalars, push_output, start_run, tracking
 from hf_fixedpoint.stars import STARSRegularizer, loop_sampler
 
 logger = get_logger(__name__)
@@ -513,9 +512,7 @@ def main(argv=None):
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True,
                                                                         data_seed=args.seed), **tracking(args))
     check_engine(args, accelerator)
-    accelerator.print(f"args: {json.dumps(args.to_dict())}")
-    accelerator.print(f"processes: {accelerator.num_processes} ({accelerator.distributed_type})")
-    start_tracking(accelerator, args)
+    start_run(accelerator, args)
     if args.model is None:
         addition_demo(args, accelerator)
     else:

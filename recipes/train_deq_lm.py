@@ -33,7 +33,7 @@ from transformers import HfArgumentParser, PreTrainedTokenizerFast
 from hf_fixedpoint import merge_stats
 from hf_fixedpoint.checkpointing import Checkpointer, Preemption, Stateful, staged_folder
 from hf_fixedpoint.modeling import DEQLMConfig, DEQLMForCausalLM
-from hf_fixedpoint.recipe_args import RecipeArgs, end_tracking, log_scalars, push_output, start_tracking, tracking
+from hf_fixedpoint.recipe_args import RecipeArgs, end_tracking, log_scalars, push_output, start_run, tracking
 
 CORPUS_MODULES = ["argparse", "collections", "csv", "datetime", "decimal", "email", "fractions", "functools", "heapq",
                   "http.client", "inspect", "json", "logging", "pathlib", "pickle", "random", "re", "statistics",
@@ -136,8 +136,7 @@ def main():
             raise ValueError(f"--{name} must be >= 0, got {getattr(args, name)}.")
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), **tracking(args))
     set_seed(args.seed)
-    accelerator.print(f"args: {json.dumps(args.to_dict())}")
-    start_tracking(accelerator, args)
+    start_run(accelerator, args)
 
     # Data: tokenize the corpus once; the last 10% of tokens are held out.
     text = build_corpus()
