@@ -18,6 +18,7 @@ from hf_fixedpoint.core.fp_fpsa import FPSAStats
 from hf_fixedpoint.core.fp_stats import FixedPointStats
 from hf_fixedpoint.recipe_args import RecipeArgs, fp_scalars, report_trackers
 from tests.helpers import run_recipe, scalar_names
+from tests.recipes.test_self_lora import tiny_llama  # noqa: F401  (fixture)
 
 RECIPES = {"stars_ouro": "Args", "train_deq_lm": "Args", "attractor_lm": "Args", "reasoning": "Args",
            "fpsa_vit": "ViTArgs", "fpsa_glue": "GlueArgs", "fpsa_squad": "SquadArgs", "self_lora": "SelfLoraArgs"}
@@ -85,7 +86,7 @@ def test_report_to_tensorboard_and_push_to_hub(recipe, tmp_path, monkeypatch):
     assert sent["folder_path"] == out / folder and sent["repo_id"] == "user/tiny"
     assert {"config.json", "model.safetensors", "README.md"} <= sent["files"]
     assert any(f.startswith("modeling_") for f in sent["files"]), sent["files"]
-    assert not any(f.startswith("checkpoints/") for f in sent["files"])
+    assert not any(f.startswith(("checkpoints/", "step_")) for f in sent["files"]), sent["files"]
     card = ModelCard(sent["readme"])
     assert {"hf-fixedpoint", "custom_code"} <= set(card.data.tags) and card.data.model_name == "user/tiny"
     assert "t0k" not in (out / folder / "README.md").read_text()
@@ -157,3 +158,25 @@ def test_no_hub_token_in_logs_or_metrics(tmp_path, monkeypatch, capsys):
     assert "s3cret" not in capsys.readouterr().out
     assert "s3cret" not in (tmp_path / "s" / "metrics.json").read_text()
     assert os.path.isdir(tmp_path / "s" / "baseline")
+
+
+def test_self_lora_pushes_the_merged_export(tiny_llama, tmp_path):  # noqa: F811
+    """The LoRA recipe's output_dir also holds the adapter (adapter/): the upload is the merged model at the root."""
+    from tests.recipes.test_self_lora import run, small
+
+    sent = {}
+
+    def fake_upload(**kwargs):
+        root = Path(kwargs["folder_path"])
+        files = [str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()]
+        sent.update(files=set(filter_repo_objects(files, ignore_patterns=kwargs["ignore_patterns"])))
+        return MagicMock(commit_url=None)
+
+    with patch.object(HfApi, "create_repo", return_value=MagicMock(repo_id="user/self")), \
+            patch.object(HfApi, "upload_folder", side_effect=fake_upload):
+        run(small(tmp_path / "out", tiny_llama, steps=1, extra=["--push_to_hub", "--hub_model_id", "user/self",
+                                                                "--report_to", "tensorboard"]))
+    assert {"config.json", "model.safetensors", "README.md", "adapter/adapter_config.json"} <= sent["files"]
+    assert "adapter_config.json" not in sent["files"]  # the root loads as a full model, not as an adapter
+    assert not any(f.startswith("step_") for f in sent["files"])  # the FPSA recipes' checkpoints stay local
+    assert {"train/loss", "train/lr", *FP_SCALARS} <= scalar_names(tmp_path / "out" / "logs")
