@@ -21,6 +21,15 @@ from transformers import get_scheduler
 from hf_fixedpoint.checkpointing import Checkpointer, Preemption, staged_folder, verify
 from hf_fixedpoint.core.fp_fpsa import FPSAStats
 from hf_fixedpoint.hub import export
+from hf_fixedpoint.recipe_args import (
+    RecipeArgs,
+    end_tracking,
+    fp_scalars,
+    log_scalars,
+    push_output,
+    start_run,
+    tracking,
+)
 
 # FPSA knobs a recipe forwards to ``from_pretrained`` / the config when set on the command line.
 FP_KNOBS = ("fp_max_iter", "fp_tol", "fp_solver", "fp_backward", "fpsa_update", "fpsa_step_norm",
@@ -29,8 +38,9 @@ FP_KNOBS = ("fp_max_iter", "fp_tol", "fp_solver", "fp_backward", "fpsa_update", 
 
 
 @dataclass
-class TrainingArgs:
-    """Options every FPSA recipe takes (the recipe's own dataclass adds model and data options)."""
+class TrainingArgs(RecipeArgs):
+    """Options every FPSA recipe takes besides ``RecipeArgs`` (the recipe's own dataclass adds model and data
+    options)."""
 
     output_dir: str = field(default="runs/fpsa", metadata={"help": "checkpoints, metrics and the exported model"})
     num_train_epochs: float = field(default=3.0, metadata={"help": "passes over the training set"})
@@ -42,13 +52,9 @@ class TrainingArgs:
     warmup_ratio: float = field(default=0.1, metadata={"help": "linear warm-up share of the steps"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm (<= 0: no clipping)"})
     bf16: bool = field(default=False, metadata={"help": "bfloat16 autocast (accelerate mixed_precision='bf16')"})
-    seed: int = field(default=0, metadata={"help": "random seed"})
     logging_steps: int = field(default=10, metadata={"help": "steps between log lines"})
     checkpointing_steps: int = field(default=0, metadata={"help": "save the training state every N steps (0: at "
                                                                   "the end only)"})
-    resume_from_checkpoint: str = field(default=None, metadata={"help": "a step_<n> folder written by an earlier "
-                                                                        "run, or 'latest' (the newest complete one "
-                                                                        "in output_dir; none yet: start fresh)"})
     save_total_limit: int = field(default=2, metadata={"help": "keep the newest N complete checkpoints (0: all)"})
     fp_max_iter: int = field(default=None, metadata={"help": "FPSA iteration cap (default: the checkpoint's)"})
     fp_tol: float = field(default=None, metadata={"help": "FPSA relative-change tolerance (default: checkpoint's)"})
@@ -110,7 +116,7 @@ def fp_overrides(args) -> dict:
 
 def make_accelerator(args) -> Accelerator:
     """One accelerate set-up for all recipes: bf16 on request, CPU when no GPU is present, gradient accumulation
-    (``args.gradient_accumulation_steps``, default 1), a fixed seed.
+    (``args.gradient_accumulation_steps``, default 1), a fixed seed, the ``--report_to`` trackers.
 
     The seedable sampler makes each epoch's shuffle a function of (seed, epoch), so a resumed run sees the batches
     the interrupted one would have seen. Checkpoint flags are checked here, before any work.
@@ -120,8 +126,9 @@ def make_accelerator(args) -> Accelerator:
             raise ValueError(f"--{name} must be >= 0, got {getattr(args, name)}.")
     accelerator = Accelerator(mixed_precision="bf16" if args.bf16 else "no", cpu=not torch.cuda.is_available(),
                               gradient_accumulation_steps=getattr(args, "gradient_accumulation_steps", 1),
-                              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+                              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True), **tracking(args))
     set_seed(args.seed)
+    start_run(accelerator, args)
     return accelerator
 
 
@@ -229,10 +236,13 @@ def train(args, accelerator, model, train_loader):
 
 
 def log_step(accelerator, bar, step, losses, stats, scheduler, t0) -> dict:
-    """The log record of an optimizer step: mean loss over its micro-batches (and processes), lr, iterations."""
+    """The log record of an optimizer step: mean loss over its micro-batches (and processes), lr, iterations; also
+    sent to the ``--report_to`` trackers."""
     loss = accelerator.gather(torch.stack(losses)).float().mean().item()
-    record = {"step": step, "loss": loss, "lr": scheduler.get_last_lr()[0],
-              **iteration_summary(FPSAStats.merge(stats) if stats else None), "seconds": time.time() - t0}
+    merged = FPSAStats.merge(stats) if stats else None
+    record = {"step": step, "loss": loss, "lr": scheduler.get_last_lr()[0], **iteration_summary(merged),
+              "seconds": time.time() - t0}
+    log_scalars(accelerator, step, loss, record["lr"], fp_scalars(merged))
     bar.set_postfix(loss=f"{loss:.3f}")
     accelerator.print(" ".join(f"{k} {v:.4g}" for k, v in record.items()))
     return record
@@ -256,3 +266,5 @@ def finish(args, accelerator, model, metrics: dict, history: list, processor=Non
             with open(os.path.join(stage, "metrics.json"), "w") as fh:
                 json.dump({"eval": metrics, "train_log": history}, fh, indent=2)
         accelerator.print(f"exported to {args.output_dir}")
+    push_output(args, accelerator, model, args.output_dir)
+    end_tracking(accelerator)

@@ -380,8 +380,10 @@ def model_card(model, *, model_id, base_model=None, datasets=None, eval_results=
 _make_model_card = model_card  # push_to_hub's `model_card` argument shadows the function
 
 
-# A recipe's output_dir holds the export and, beside it, what only resuming the training needs.
-TRAINING_STATE = ["checkpoints/*", ".staging/*"]
+# A recipe's output_dir holds the export and, beside it, what only resuming the training needs: its checkpoints
+# (``checkpoints/step_<n>``, or ``step_<n>`` at the top in the FPSA recipes, and the hidden ``.step_<n>.tmp`` being
+# written) and a half-written export stage.
+TRAINING_STATE = ["checkpoints/*", "step_*/*", ".step_*/*", ".staging/*"]
 
 
 def push_to_hub(model, repo_id, *, tokenizer=None, model_card=None, commit_message="Upload model with hf-fixedpoint",
@@ -390,7 +392,7 @@ def push_to_hub(model, repo_id, *, tokenizer=None, model_card=None, commit_messa
 
     ``model`` is a model, exported (merged, folded, verified) into a temporary folder first, or the folder of an
     export (a recipe's ``output_dir``): verified, then uploaded without its training state (``TRAINING_STATE``:
-    the resumable ``checkpoints/`` with optimizer and RNG states, a half-written ``.staging/``).
+    the resumable ``checkpoints/`` or ``step_<n>/`` with optimizer and RNG states, a half-written ``.staging/``).
     ``model_card`` defaults to ``model_card(model, model_id=repo_id)`` for a model (a folder keeps its README.md);
     ``tokenizer`` (or image processor) is saved next to an exported model. ``revision`` names a branch (created if
     missing). Returns the ``huggingface_hub.CommitInfo`` of the upload.

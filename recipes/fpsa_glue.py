@@ -16,8 +16,7 @@ run exports a checkpoint that loads with ``AutoModelForSequenceClassification.fr
 trust_remote_code=True)`` where hf-fixedpoint is not installed, and writes ``metrics.json``.
 """
 
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,6 +28,7 @@ from hf_fixedpoint import fpsa_training
 from hf_fixedpoint.core.fp_fpsa import FPSAStats
 from hf_fixedpoint.eval.local_metrics import load_metric
 from hf_fixedpoint.modeling.fpsa_bert import FPSABertForSequenceClassification
+from hf_fixedpoint.recipe_args import progress_bar
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 # task -> (text columns, number of labels (1 = regression), validation split of nyu-mll/glue)
@@ -112,7 +112,7 @@ def evaluate_glue(model, loader, accelerator, task_name):
     """GLUE metric of the task plus the iteration statistics over the whole validation set."""
     model.eval()
     predictions, references, stats = [], [], []
-    for batch in loader:
+    for batch in progress_bar(loader, "eval", leave=False):
         outputs = model(**batch)
         logits = outputs.logits
         pred = logits.squeeze(-1) if task_name == "stsb" else logits.argmax(-1)
@@ -133,7 +133,6 @@ def main():
                 "hf_fixedpoint.eval.local_metrics.load_metric('glue', 'ax'))") if args.task_name == "ax" else ""
         raise ValueError(f"task_name must be one of {list(TASKS)}, got {args.task_name!r}{hint}")
     accelerator = fpsa_training.make_accelerator(args)
-    accelerator.print(f"args: {json.dumps(asdict(args))}")
     model_path = args.model_name_or_path or fpsa_training.default_bert_path()
     (text_a, text_b), num_labels, _ = TASKS[args.task_name]
 

@@ -17,8 +17,7 @@ trust_remote_code=True)``.
 """
 
 import collections
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,6 +29,7 @@ from hf_fixedpoint import fpsa_training
 from hf_fixedpoint.core.fp_fpsa import FPSAStats
 from hf_fixedpoint.eval.local_metrics import load_metric
 from hf_fixedpoint.modeling.fpsa_bert import FPSABertForQuestionAnswering
+from hf_fixedpoint.recipe_args import progress_bar
 
 DATA_DIR = Path(__file__).resolve().parent / "data" / "squad_v2_tiny"
 
@@ -108,7 +108,7 @@ def evaluate_squad(model, tokenizer, features, examples, accelerator, args):
     loader = accelerator.prepare(DataLoader(features.remove_columns(["offset_mapping", "example"]),
                                             batch_size=args.per_device_eval_batch_size, collate_fn=collate))
     starts, ends, stats = [], [], []
-    for batch in loader:
+    for batch in progress_bar(loader, "eval", leave=False):
         outputs = model(**batch)
         s, e = accelerator.gather_for_metrics((outputs.start_logits.float(), outputs.end_logits.float()))
         starts += list(s.cpu())
@@ -135,7 +135,6 @@ def evaluate_squad(model, tokenizer, features, examples, accelerator, args):
 def main():
     (args,) = HfArgumentParser(SquadArgs).parse_args_into_dataclasses()
     accelerator = fpsa_training.make_accelerator(args)
-    accelerator.print(f"args: {json.dumps(asdict(args))}")
     model_path = args.model_name_or_path or fpsa_training.default_bert_path()
 
     # Data: overlapping question + context windows with span labels (training) or offsets (evaluation).

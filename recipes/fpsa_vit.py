@@ -21,8 +21,7 @@ continues an interrupted run; the export loads with ``AutoModelForImageClassific
 trust_remote_code=True)``.
 """
 
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +32,7 @@ from transformers.image_utils import PILImageResampling
 from hf_fixedpoint import fpsa_training
 from hf_fixedpoint.core.fp_fpsa import FPSAStats
 from hf_fixedpoint.modeling.fpsa_vit import FPSAViTConfig, FPSAViTForImageClassification
+from hf_fixedpoint.recipe_args import progress_bar
 
 
 @dataclass
@@ -116,7 +116,7 @@ def build_model(args):
 def evaluate_vit(model, loader, accelerator):
     model.eval()
     correct, total, stats = 0, 0, []
-    for batch in loader:
+    for batch in progress_bar(loader, "eval", leave=False):
         outputs = model(**batch)
         pred, ref = accelerator.gather_for_metrics((outputs.logits.argmax(-1), batch["labels"]))
         correct += (pred == ref).sum().item()
@@ -129,7 +129,6 @@ def evaluate_vit(model, loader, accelerator):
 def main():
     (args,) = HfArgumentParser(ViTArgs).parse_args_into_dataclasses()
     accelerator = fpsa_training.make_accelerator(args)
-    accelerator.print(f"args: {json.dumps(asdict(args))}")
 
     # Model first: a checkpoint fixes the image size and channels the data must have.
     model = build_model(args)

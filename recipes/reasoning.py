@@ -35,7 +35,7 @@ import os
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -61,6 +61,7 @@ from hf_fixedpoint.puzzles.evaluation import (
     scored_rows,
     sequence_correct,
 )
+from hf_fixedpoint.recipe_args import RecipeArgs, log_scalars, progress_bar, push_output, start_run, tracking
 
 PRESETS = ("none", "official")
 OPTIMIZERS = ("adamatan2", "adamw")
@@ -121,7 +122,7 @@ OFFICIAL_TASK_CONFIG = {
 
 
 @dataclass
-class Args:
+class Args(RecipeArgs):  # --seed, --resume_from_checkpoint, --report_to, --push_to_hub, ...: docs/recipes.md
     model: str = field(default="fprm", metadata={"help": f"one of {sorted(MODELS)}"})
     task: str = field(default="a5", metadata={"help": "puzzle task: sudoku, maze, a5, arc1, arc2"})
     task_kwargs: str = field(default='{"num_samples": 200000, "length": 8}',
@@ -160,14 +161,11 @@ class Args:
                 "the group table far slower), the research code's stablemax otherwise"})
     model_kwargs: str = field(default="{}", metadata={"help": "JSON: any other config field (e.g. conv, L_cycles)"})
     init_from: Optional[str] = field(default=None, metadata={"help": "start from a saved model (fine-tuning)"})
-    resume_from_checkpoint: Optional[str] = field(default=None, metadata={
-        "help": "an output_dir/checkpoints/step_<n> folder, or 'latest' (the newest complete one; none: start fresh)"})
     resume_from: Optional[str] = field(default=None, metadata={"help": "deprecated name of --resume_from_checkpoint"})
     eval_every: int = field(default=100, metadata={"help": "steps between evaluations"})
     save_every: int = field(default=0, metadata={"help": "steps between checkpoints (0: at every evaluation); "
                                                          "always at the end"})
     save_total_limit: int = field(default=2, metadata={"help": "keep the newest N complete checkpoints (0: all)"})
-    seed: int = field(default=0)
     optimizer: str = field(default="adamatan2", metadata={
         "help": "adamatan2 (TRM, URM) or adamw (FPRM's configs)"})
     eval_extra_steps: int = field(default=0, metadata={
@@ -311,7 +309,8 @@ def evaluate(model, ds, meta, args, device, blank_id=False):
     ``blank_id``: every row's puzzle id replaced by the blank id 0."""
     model.eval()
     preds, labels, scores, iters = [], [], [], []
-    for b in batches(ds, args.eval_batch_size, device, shuffle=False, drop_last=False):
+    for b in progress_bar(batches(ds, args.eval_batch_size, device, shuffle=False, drop_last=False), "eval",
+                          total=-(-len(ds) // args.eval_batch_size), leave=False):
         if blank_id:
             b["puzzle_identifiers"] = torch.zeros_like(b["puzzle_identifiers"])
         if args.model == "fprm":  # one full solve: iterations adapt to the puzzle
@@ -379,9 +378,9 @@ def build_data(args):
 def main(argv=None):
     """Run the recipe; ``argv`` defaults to the command line."""
     args = parse_args(argv)
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), **tracking(args))
     set_seed(args.seed)
-    accelerator.print(f"args: {json.dumps(asdict(args))}")
+    start_run(accelerator, args)
 
     # 1. Data.
     train_ds, meta, test_sets = build_data(args)
@@ -436,12 +435,19 @@ def main(argv=None):
     if not history or history[-1]["step"] != progress["step"]:  # e.g. resumed from a SIGTERM checkpoint at the end
         run_evals(progress["step"])
 
-    # 5. Export the (EMA) model with its code, and the metrics; staged, so a kill never leaves a half export.
+    export(args, accelerator, eval_model, test_sets, progress, time.time() - t0)
+    accelerator.end_training()  # closes the --report_to trackers
+
+
+def export(args, accelerator, eval_model, test_sets, progress, wall_seconds):
+    """5. Export the (EMA) model with its code, and the metrics; staged, so a kill never leaves a half export. Then
+    ``--push_to_hub``."""
+    history = progress["history"]
     if accelerator.is_main_process:
         with staged_folder(args.output_dir) as stage:
             eval_model.save_pretrained(stage)
             write_json(os.path.join(stage, "metrics.json"), {
-                "args": asdict(args), "train_seconds": progress["train_seconds"], "wall_seconds": time.time() - t0,
+                "args": args.to_dict(), "train_seconds": progress["train_seconds"], "wall_seconds": wall_seconds,
                 "history": history, "final": history[-1] if history else None})
             # One curve per test set: iterations used (and exact accuracy) against difficulty.
             for i, (name, _, test_meta) in enumerate(test_sets):
@@ -451,6 +457,8 @@ def main(argv=None):
                                                   title=f"{args.model} {name}", difficulty_name=test_meta.difficulty)
         accelerator.print(f"saved to {args.output_dir}: AutoModelForTokenClassification.from_pretrained("
                           f"{args.output_dir!r}, trust_remote_code=True)")
+    push_output(args, accelerator, eval_model, args.output_dir,
+                description=f"{args.model} trained on {args.task} puzzles (recipes/reasoning.py).")
 
 
 def train_loop(args, accelerator, parts, train_ds, progress, ckpt, run_evals):
@@ -475,6 +483,7 @@ def train_loop(args, accelerator, parts, train_ds, progress, ckpt, run_evals):
             progress["halted_n"] += int(done.sum())
             train_exact = progress["halted_exact"] / max(progress["halted_n"], 1)
             bar.set_postfix(loss=f"{out.loss.item():.3f}", exact=f"{train_exact:.3f}")
+            log_scalars(accelerator, step, out.loss.item(), parts[2].get_last_lr()[0], out.fp_stats)
             progress["train_seconds"] += time.time() - t_step
             out_of_time = args.max_train_seconds is not None and progress["train_seconds"] >= args.max_train_seconds
             if args.max_train_seconds is not None and accelerator.num_processes > 1:  # every process stops together

@@ -38,7 +38,7 @@ import os
 import random
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import List, Optional
 
 import torch
@@ -62,6 +62,7 @@ from hf_fixedpoint.core.fp_fpsa import FPSAStats
 from hf_fixedpoint.core.fp_registry import check_number
 from hf_fixedpoint.hub import export
 from hf_fixedpoint.modeling import SelfLlamaForCausalLM, SelfMistralForCausalLM
+from hf_fixedpoint.recipe_args import end_tracking, progress_bar, push_output
 
 # config.model_type of the checkpoint -> the SELF class that retrofits it.
 ARCHITECTURES = {"llama": SelfLlamaForCausalLM, "self_llama": SelfLlamaForCausalLM,
@@ -272,7 +273,8 @@ def evaluate(model, tokenizer, eval_set, args, accelerator, fp_max_iter: int) ->
     tol = {} if args.eval_fp_tol is None else {"fp_tol": args.eval_fp_tol}
     records, stats, seconds, new_tokens = [], [], 0.0, 0
     with accelerator.split_between_processes(list(eval_set)) as part:
-        for start in range(0, len(part), args.per_device_eval_batch_size):
+        for start in progress_bar(range(0, len(part), args.per_device_eval_batch_size), f"eval cap {fp_max_iter}",
+                                  leave=False):
             batch = part[start : start + args.per_device_eval_batch_size]
             enc = tokenizer([PROMPT.format(question=e["question"]) for e in batch], return_tensors="pt",
                             padding=True).to(accelerator.device)
@@ -319,7 +321,6 @@ def main(argv=None):
         check_number(cap, "eval_fp_max_iter", low=1, integer=True)
     check_number(args.gradient_accumulation_steps, "gradient_accumulation_steps", low=1, integer=True)
     accelerator = fpsa_training.make_accelerator(args)
-    accelerator.print(f"args: {json.dumps(asdict(args), default=str)}")
     if args.model_name_or_path is None:
         from hf_fixedpoint.resources import smollm2_path
 
@@ -373,6 +374,10 @@ def main(argv=None):
                 json.dump(metrics, fh, indent=2)
         accelerator.print(f"exported the merged model to {args.output_dir} (AutoModelForCausalLM.from_pretrained(dir, "
                           f"trust_remote_code=True)) and the adapter to {args.output_dir}/adapter")
+    push_output(args, accelerator, model, args.output_dir,
+                description=f"{model_class.__name__} retrofit of {args.model_name_or_path} with LoRA, merged "
+                            "(recipes/self_lora.py).")
+    end_tracking(accelerator)
     return metrics
 
 

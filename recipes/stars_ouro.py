@@ -22,12 +22,11 @@ one loop count per micro-batch (log-normal mu 1.7, sigma 0.4, clipped to [1, 16]
 ``accelerator.save_state`` checkpoints and ``--resume_from_checkpoint``.
 """
 
-import json
 import math
 import os
 import string
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -41,6 +40,7 @@ from transformers.optimization import get_wsd_schedule
 
 from hf_fixedpoint.checkpointing import Checkpointer, Preemption, Stateful, staged_folder, write_json
 from hf_fixedpoint.modeling import OuroConfig, OuroForCausalLM
+from hf_fixedpoint.recipe_args import RecipeArgs, end_tracking, log_scalars, push_output, start_run, tracking
 from hf_fixedpoint.stars import STARSRegularizer, loop_sampler
 
 logger = get_logger(__name__)
@@ -51,9 +51,8 @@ SYSTEM_PROMPT = "You are a helpful assistant that can assist users with reasonin
 
 
 @dataclass
-class Args:
+class Args(RecipeArgs):  # --seed, --report_to, --push_to_hub, ...: docs/recipes.md
     output_dir: str = field(default="runs/stars_ouro", metadata={"help": "where models, metrics and the plot go"})
-    seed: int = field(default=0, metadata={"help": "random seed (data, init, loop draws)"})
     # --- STARS
     reg_weight: float = field(default=0.1, metadata={"help": "lambda: (1 - lambda) * LM loss + lambda * JSRR"})
     reg_warmup_steps: int = field(default=450, metadata={"help": "optimizer steps before JSRR is added"})
@@ -241,6 +240,15 @@ def resume_spec(args, run):
     return spec if os.path.basename(os.path.dirname(os.path.normpath(spec))) == run else "latest"
 
 
+def freeze_unused_exit_gate(model):
+    """Freeze the early-exit gate when the training loss never reads it (``exit_loss="last"``: the last loop's
+    logits). DDP needs every trainable parameter to get a gradient in each step (its all-reduce waits for them), and
+    one process trained the gate no more than this: AdamW skips parameters without a gradient."""
+    if model.config.exit_loss == "last":
+        model.model.early_exit_gate.requires_grad_(False)
+    return model
+
+
 def train_addition(args, accelerator, tokenizer, run):
     """Train one tiny Ouro from scratch: ``run="stars"`` (sampled loops + JSRR) or ``"baseline"`` (fixed loops).
 
@@ -256,7 +264,7 @@ def train_addition(args, accelerator, tokenizer, run):
                         early_exit_threshold=None, exit_loss="last",
                         tie_word_embeddings=True, use_cache=True, pad_token_id=tokenizer.pad_token_id,
                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    model = OuroForCausalLM(config)
+    model = freeze_unused_exit_gate(OuroForCausalLM(config))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     warmup = max(1, args.max_steps // 20)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -284,6 +292,8 @@ def train_addition(args, accelerator, tokenizer, run):
             scheduler.step()
             optimizer.zero_grad()
             bar.set_postfix(loss=f"{out.loss.item():.3f}", loops=loops)
+            log_scalars(accelerator, step + 1, out.loss.item(), scheduler.get_last_lr()[0], prefix=f"{run}/",
+                        loops=loops, **({} if reg is None else {"jsrr": reg.item()}))
             if (step + 1) % args.log_every == 0 or step + 1 == args.max_steps:
                 logger.info(f"[{run}] step {step + 1} lm_loss {out.loss.item():.4f} "
                             f"jsrr {'-' if reg is None else f'{reg.item():.4f}'} loops {loops} "
@@ -322,13 +332,17 @@ def addition_demo(args, accelerator):
                                            tokenizer)
     counts = eval_loop_counts(args)
     results, seconds = {}, {}
-    for run in [r.strip() for r in args.runs.split(",") if r.strip()]:
+    runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    for run in runs:
         model, seconds[run] = train_addition(args, accelerator, tokenizer, run)
         results[run] = {str(c): exact_match(model, eval_ids, eval_labels, c) for c in counts}
         if accelerator.is_main_process:  # staged: a kill here leaves a folder that does not load, never a mix
             with staged_folder(os.path.join(args.output_dir, run)) as stage:
                 model.save_pretrained(stage)
                 tokenizer.save_pretrained(stage)
+        if run == runs[0]:  # --push_to_hub uploads the first run (STARS by default)
+            push_output(args, accelerator, model, os.path.join(args.output_dir, run),
+                        description=f"Ouro trained on {args.digits}-digit addition ({run}; recipes/stars_ouro.py).")
     header = "loops      " + "".join(f"{c:>7d}" for c in counts)
     lines = [header] + [f"{run:<11s}" + "".join(f"{100 * accs[str(c)]:7.1f}" for c in counts)
                         for run, accs in results.items()]
@@ -340,7 +354,7 @@ def addition_demo(args, accelerator):
         plot(results, counts, args.train_loops, png + ".tmp.png")
         os.replace(png + ".tmp.png", png)
         write_json(os.path.join(args.output_dir, "metrics.json"),
-                   {"exact_match": results, "train_seconds": seconds, "args": asdict(args)})
+                   {"exact_match": results, "train_seconds": seconds, "args": args.to_dict()})
         accelerator.print(f"saved {args.output_dir}/accuracy_vs_loops.png, metrics.json and the models "
                           f"{sorted(results)}; load one with AutoModelForCausalLM.from_pretrained("
                           f"{os.path.join(args.output_dir, next(iter(results)))!r}, trust_remote_code=True)")
@@ -411,6 +425,7 @@ def finetune(args, accelerator):
     if model.config.model_type != "ouro":
         raise ValueError(f"--model {args.model!r} is a {model.config.model_type!r} model; this recipe fine-tunes "
                          "Ouro (model_type 'ouro').")
+    freeze_unused_exit_gate(model)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable({"use_reentrant": False})
     with accelerator.main_process_first():
@@ -435,13 +450,14 @@ def finetune(args, accelerator):
         step = finetune_epochs(args, accelerator, (model, optimizer, loader, scheduler), ckpt, preemption, step,
                                total, bar)
     accelerator.wait_for_everyone()
+    final = os.path.join(args.output_dir, "final")
     if accelerator.is_main_process:  # staged: a kill here leaves a folder that does not load, never a mix
-        final = os.path.join(args.output_dir, "final")
         with staged_folder(final) as stage:
             accelerator.unwrap_model(model).config.trained_loops = trained_loops(args, "stars")
             accelerator.unwrap_model(model).save_pretrained(stage)
             tokenizer.save_pretrained(stage)
         accelerator.print(f"saved {final}")
+    push_output(args, accelerator, model, final, description=f"Ouro fine-tuned with STARS from {args.model}.")
 
 
 def finetune_epochs(args, accelerator, prepared, ckpt, preemption, step, total, bar):
@@ -473,6 +489,8 @@ def finetune_epochs(args, accelerator, prepared, ckpt, preemption, step, total, 
                 step += 1
                 bar.update(1)
                 bar.set_postfix(loss=f"{out.loss.item():.3f}", loops=loops)
+                log_scalars(accelerator, step, out.loss.item(), scheduler.get_last_lr()[0], loops=loops,
+                            **({} if reg is None else {"jsrr": reg.item()}))
                 logger.info(f"step {step} lm_loss {out.loss.item():.4f} "
                             f"jsrr {'-' if reg is None else f'{reg.item():.4f}'} loops {loops} "
                             f"lr {scheduler.get_last_lr()[0]:.2e}", main_process_only=True)
@@ -492,14 +510,14 @@ def main(argv=None):
     # the batches the interrupted one would have seen.
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=accumulate,
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True,
-                                                                        data_seed=args.seed))
+                                                                        data_seed=args.seed), **tracking(args))
     check_engine(args, accelerator)
-    accelerator.print(f"args: {json.dumps(asdict(args))}")
-    accelerator.print(f"processes: {accelerator.num_processes} ({accelerator.distributed_type})")
+    start_run(accelerator, args)
     if args.model is None:
         addition_demo(args, accelerator)
     else:
         finetune(args, accelerator)
+    end_tracking(accelerator)
 
 
 if __name__ == "__main__":

@@ -21,17 +21,19 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tqdm.auto import tqdm
 from transformers import HfArgumentParser, PreTrainedTokenizerFast
 
 from hf_fixedpoint import merge_stats
 from hf_fixedpoint.checkpointing import Checkpointer, Preemption, Stateful, staged_folder
 from hf_fixedpoint.modeling import DEQLMConfig, DEQLMForCausalLM
+from hf_fixedpoint.recipe_args import RecipeArgs, end_tracking, log_scalars, push_output, start_run, tracking
 
 CORPUS_MODULES = ["argparse", "collections", "csv", "datetime", "decimal", "email", "fractions", "functools", "heapq",
                   "http.client", "inspect", "json", "logging", "pathlib", "pickle", "random", "re", "statistics",
@@ -40,7 +42,7 @@ CORPUS_MODULES = ["argparse", "collections", "csv", "datetime", "decimal", "emai
 
 
 @dataclass
-class Args:
+class Args(RecipeArgs):  # --seed, --resume_from_checkpoint, --report_to, --push_to_hub, ...: docs/recipes.md
     output_dir: str = field(default="runs/deq_lm_demo", metadata={"help": "where the checkpoint and metrics go"})
     max_steps: int = field(default=100, metadata={"help": "optimizer steps"})
     batch_size: int = field(default=16, metadata={"help": "sequences per step and process"})
@@ -52,13 +54,9 @@ class Args:
     fp_backward: str = field(default="ift", metadata={"help": "backward mode"})
     fp_max_iter: int = field(default=20, metadata={"help": "solver cap"})
     fp_tol: float = field(default=1e-3, metadata={"help": "relative residual tolerance"})
-    seed: int = field(default=0, metadata={"help": "random seed"})
     log_every: int = field(default=25, metadata={"help": "steps between log lines"})
     save_every: int = field(default=0, metadata={"help": "steps between resumable checkpoints (0: only at the end)"})
     save_total_limit: int = field(default=2, metadata={"help": "keep the newest N complete checkpoints (0: all)"})
-    resume_from_checkpoint: str = field(default=None, metadata={"help": "a checkpoints/step_<n> folder, or 'latest' "
-                                                                        "(the newest complete one; none: start "
-                                                                        "fresh)"})
 
 
 def build_corpus():
@@ -93,14 +91,52 @@ def perplexity(model, data, seq_length, fp_overrides=None):
     return math.exp(torch.stack(losses).mean().item())
 
 
+def train(args, accelerator, prepared, train_ids):
+    """The training loop: random windows of the training tokens, a different stream per process (saved with the
+    checkpoints); resumes from ``--resume_from_checkpoint``. Returns the training seconds."""
+    model, optimizer, scheduler = prepared
+    g = torch.Generator().manual_seed(args.seed + accelerator.process_index)
+    ckpt = Checkpointer(accelerator, os.path.join(args.output_dir, "checkpoints"), args.save_total_limit,
+                        objects={"data": Stateful(stream=g)})
+    record = ckpt.load(args.resume_from_checkpoint) if args.resume_from_checkpoint else None
+    start, seconds = (record["step"], record["seconds"]) if record else (0, 0.0)
+    t0 = time.time() - seconds
+    bar = tqdm(range(start + 1, args.max_steps + 1), initial=start, total=args.max_steps, desc="train",
+               disable=not accelerator.is_local_main_process)
+    with Preemption(accelerator) as preemption:
+        for step in bar:
+            starts = torch.randint(0, len(train_ids) - args.seq_length, (args.batch_size,), generator=g)
+            batch = torch.stack([train_ids[s : s + args.seq_length] for s in starts]).to(accelerator.device)
+            out = model(batch, labels=batch)
+            accelerator.backward(out.loss)
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            bar.set_postfix(loss=f"{out.loss.item():.3f}")
+            log_scalars(accelerator, step, out.loss.item(), scheduler.get_last_lr()[0], out.fp_stats)
+            if step % args.log_every == 0 or step == args.max_steps:
+                s = merge_stats([out.fp_stats])
+                accelerator.print(f"step {step:4d} loss {out.loss.item():.3f} fp_nfe {s['fp_nfe']:.0f} "
+                                  f"converged {s['fp_converged_fraction']:.2f} "
+                                  f"adjoint_nfe {s.get('fp_backward_nfe', 0):.0f} "
+                                  f"({time.time() - t0:.0f}s)")
+            stop = preemption.requested()
+            if (args.save_every and step % args.save_every == 0) or step == args.max_steps or stop:
+                folder = ckpt.save(step, seconds=time.time() - t0)
+                if stop:
+                    preemption.exit(folder)
+    return time.time() - t0
+
+
 def main():
     (args,) = HfArgumentParser(Args).parse_args_into_dataclasses()  # unknown flags are errors
     for name in ("save_every", "save_total_limit"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name} must be >= 0, got {getattr(args, name)}.")
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), **tracking(args))
     set_seed(args.seed)
-    accelerator.print(f"args: {json.dumps(asdict(args))}")
+    start_run(accelerator, args)
 
     # Data: tokenize the corpus once; the last 10% of tokens are held out.
     text = build_corpus()
@@ -120,42 +156,14 @@ def main():
     ppl_init = perplexity(model, val_ids, args.seq_length)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-
-    # Training loop: random windows of the training tokens, a different stream per process (saved with checkpoints).
-    g = torch.Generator().manual_seed(args.seed + accelerator.process_index)
-    ckpt = Checkpointer(accelerator, os.path.join(args.output_dir, "checkpoints"), args.save_total_limit,
-                        objects={"data": Stateful(stream=g)})
-    record = ckpt.load(args.resume_from_checkpoint) if args.resume_from_checkpoint else None
-    start, seconds = (record["step"], record["seconds"]) if record else (0, 0.0)
-    t0 = time.time() - seconds
-    with Preemption(accelerator) as preemption:
-        for step in range(start + 1, args.max_steps + 1):
-            starts = torch.randint(0, len(train_ids) - args.seq_length, (args.batch_size,), generator=g)
-            batch = torch.stack([train_ids[s : s + args.seq_length] for s in starts]).to(accelerator.device)
-            out = model(batch, labels=batch)
-            accelerator.backward(out.loss)
-            accelerator.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-            if step % args.log_every == 0 or step == args.max_steps:
-                s = merge_stats([out.fp_stats])
-                accelerator.print(f"step {step:4d} loss {out.loss.item():.3f} fp_nfe {s['fp_nfe']:.0f} "
-                                  f"converged {s['fp_converged_fraction']:.2f} "
-                                  f"adjoint_nfe {s.get('fp_backward_nfe', 0):.0f} "
-                                  f"({time.time() - t0:.0f}s)")
-            stop = preemption.requested()
-            if (args.save_every and step % args.save_every == 0) or step == args.max_steps or stop:
-                folder = ckpt.save(step, seconds=time.time() - t0)
-                if stop:
-                    preemption.exit(folder)
+    prepared = accelerator.prepare(model, optimizer, scheduler)
+    train_seconds = train(args, accelerator, prepared, train_ids)
 
     # Evaluation: perplexity after training, and with a single solver iteration instead of fp_max_iter.
-    model = accelerator.unwrap_model(model)
+    model = accelerator.unwrap_model(prepared[0])
     metrics = {"val_ppl_init": ppl_init, "val_ppl": perplexity(model, val_ids, args.seq_length),
                "val_ppl_1_iter": perplexity(model, val_ids, args.seq_length, {"fp_max_iter": 1}),
-               "train_seconds": time.time() - t0}
+               "train_seconds": train_seconds}
     accelerator.print("metrics: " + json.dumps({k: round(v, 3) for k, v in metrics.items()}))
 
     # Save: a self-contained checkpoint (code + vendored solvers + auto_map) and the tokenizer.
@@ -167,6 +175,8 @@ def main():
                 json.dump(metrics, fh, indent=2)
         accelerator.print(f"saved to {args.output_dir}: load with AutoModelForCausalLM.from_pretrained("
                           f"{args.output_dir!r}, trust_remote_code=True)")
+    push_output(args, accelerator, model, args.output_dir, description="DEQ-LM trained by recipes/train_deq_lm.py.")
+    end_tracking(accelerator)
 
 
 if __name__ == "__main__":

@@ -162,3 +162,33 @@ def assert_survives_kills(main, tmp_path, faults, torn=None, weights="model.safe
         tear_then_resume(lambda *flags: main(out, *flags), out / torn)
     assert same_weights(reference / weights, out / weights)
     return reference, out
+
+
+def run_two_processes(module: str, *argv, tmp_path, timeout: int = 900):
+    """``recipes/<module>.py`` launched on two CPU processes (gloo DDP) with ``accelerate launch``; returns the
+    finished ``subprocess.CompletedProcess``. ``--multi_gpu`` with ``ACCELERATE_USE_CPU=1`` is the flag combination
+    that really gives two CPU processes (``--cpu`` alone gives one)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", f"recipes/{module}.py",
+           *map(str, argv)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "ACCELERATE_USE_CPU": "1", "HF_HOME": str(tmp_path / "hf_home")}
+    return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def scalar_names(logging_dir) -> set:
+    """The scalar tags in the TensorBoard event files under ``logging_dir``."""
+    from pathlib import Path
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    names = set()
+    for events in Path(logging_dir).rglob("events.out.tfevents.*"):
+        names |= set(EventAccumulator(str(events)).Reload().Tags()["scalars"])
+    return names

@@ -296,7 +296,8 @@ def test_push_to_hub_of_an_export_folder_leaves_the_training_state_out(saved_dir
     from huggingface_hub.utils import filter_repo_objects
 
     folder = Path(shutil.copytree(saved_dir, tmp_path / "run"))
-    for name in ("checkpoints/step_4/optimizer.bin", "checkpoints/step_4/model.safetensors", ".staging/config.json"):
+    for name in ("checkpoints/step_4/optimizer.bin", "checkpoints/step_4/model.safetensors", ".staging/config.json",
+                 "step_2/optimizer.bin", ".step_3.tmp/model.safetensors"):  # the FPSA recipes' step_<n> at the top
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_text("x")
     (folder / "metrics.json").write_text("{}")

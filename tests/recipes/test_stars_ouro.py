@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import run_two_processes
+
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
@@ -85,13 +87,43 @@ def test_finetune_with_accumulation_and_resume(pretrained, tmp_path):
     assert "step 2 lm_loss" in proc.stderr and "step 1 lm_loss" not in proc.stderr
 
 
+def test_addition_demo_two_process_cpu_ddp(tmp_path):
+    """Issue 19: the demo stopped at its second step under DDP: the exit gate, unused by the 'last' loss, got no
+    gradient. Frozen now, it stays at its initial value in both runs."""
+    out = tmp_path / "ddp"
+    proc = run_two_processes("stars_ouro", "--output_dir", out, "--max_steps", 3, "--reg_warmup_steps", 1,
+                             "--batch_size", 8, "--hidden_size", 16, "--eval_size", 16, "--eval_loops", "1,2",
+                             "--log_every", 1, tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "processes: 2 (DistributedType.MULTI_CPU)" in proc.stdout
+    assert "[stars] step 3 lm_loss" in proc.stderr and "[baseline] step 3 lm_loss" in proc.stderr
+    from transformers import AutoModelForCausalLM
+
+    from recipes.stars_ouro import freeze_unused_exit_gate
+
+    for run in ("stars", "baseline"):
+        model = AutoModelForCausalLM.from_pretrained(out / run, trust_remote_code=True)
+        torch.manual_seed(0)  # train_addition's set_seed(args.seed): the same initial gate
+        fresh = freeze_unused_exit_gate(type(model)(model.config))
+        assert torch.equal(model.model.early_exit_gate.weight, fresh.model.early_exit_gate.weight)
+        assert not torch.equal(model.model.embed_tokens.weight, fresh.model.embed_tokens.weight)
+
+
+def test_exit_gate_is_frozen_only_when_the_loss_ignores_it():
+    from hf_fixedpoint.modeling import OuroConfig, OuroForCausalLM
+    from recipes.stars_ouro import freeze_unused_exit_gate
+
+    for exit_loss, trainable in (("last", False), ("expected_logits", True), ("expected_loss", True)):
+        config = OuroConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                            num_attention_heads=2, num_key_value_heads=2, exit_loss=exit_loss)
+        gate = freeze_unused_exit_gate(OuroForCausalLM(config)).model.early_exit_gate
+        assert all(p.requires_grad == trainable for p in gate.parameters())
+
+
 @pytest.mark.slow
 def test_finetune_two_process_cpu_ddp(pretrained, tmp_path):
     out = tmp_path / "ddp"
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "recipes/stars_ouro.py"]
-    # the flag combination that really gives 2 CPU processes (gloo DDP); --cpu alone would give one
-    proc = _run(_finetune_args(pretrained, out), tmp_path, launcher=launcher, ACCELERATE_USE_CPU="1")
+    proc = run_two_processes("stars_ouro", *_finetune_args(pretrained, out), tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "processes: 2 (DistributedType.MULTI_CPU)" in proc.stdout
     assert "step 1 lm_loss" in proc.stderr and (out / "final" / "config.json").exists()
