@@ -154,32 +154,46 @@ def exit_distribution(gate_logits: torch.Tensor) -> torch.Tensor:
     return torch.cat([lam[..., :-1] * before[..., :-1], before[..., -1:]], dim=-1)
 
 
-def exit_fires(gate_logits, previous, current, threshold=None, tol=None) -> torch.Tensor:
-    """``(B, S)``: tokens whose exit rule fires at loop ``t`` (0-based), given the gate logits of loops ``0..t``
-    ``(B, S, t + 1)`` and the states of loops ``t - 1`` (None at ``t = 0``) and ``t``: the cumulative exit
-    probability ``sum_{j<=t} p_j`` reaches ``threshold`` (Ouro's Q-exit), or the relative state change
-    ``||h_t - h_{t-1}|| / ||h_{t-1}||`` per token is below ``tol``. Only meaningful before the last loop."""
-    fire = torch.zeros(current.shape[:2], dtype=torch.bool, device=current.device)
-    if threshold is not None:
-        # p_j for j <= t does not depend on later gates: the padded column stands in for them.
-        fire |= exit_distribution(F.pad(gate_logits, (0, 1))).cumsum(-1)[..., -2] >= threshold
-    if tol is not None and previous is not None:
-        dtype = torch.promote_types(current.dtype, torch.float32)
-        prev = previous.to(dtype)
-        change = torch.linalg.vector_norm(current.to(dtype) - prev, dim=-1) / torch.linalg.vector_norm(
-            prev, dim=-1).clamp_min(torch.finfo(dtype).tiny)
-        fire |= change < tol
-    return fire
+class ExitRule:
+    """Ouro's exit rules, applied loop by loop: ``rule(gate, previous, current)`` after loop ``t`` (0-based) gives the
+    ``(B, S)`` tokens whose rule fires there (None when no rule is set), from the loop's gate logits ``(B, S, 1)``
+    and the states of loops ``t - 1`` (None at ``t = 0``) and ``t``:
+
+    * ``threshold``: the cumulative exit probability ``sum_{j<=t} p_j`` reaches it (Ouro's Q-exit; ``p_j`` as in
+      ``exit_distribution``, accumulated in the same order);
+    * ``tol``: the relative state change ``||h_t - h_{t-1}|| / ||h_{t-1}||`` per token is below it.
+
+    Only meaningful before the last loop (where every token exits)."""
+
+    def __init__(self, threshold=None, tol=None):
+        self.threshold, self.tol, self.cdf, self.survival = threshold, tol, None, None
+
+    def __call__(self, gate, previous, current) -> Optional[torch.Tensor]:
+        fire = None
+        if self.threshold is not None:
+            lam = torch.sigmoid(gate[..., 0].to(torch.promote_types(gate.dtype, torch.float32)))
+            p = lam if self.survival is None else lam * self.survival  # p_t = lambda_t * S_{t-1}
+            self.cdf = p if self.cdf is None else self.cdf + p
+            self.survival = 1.0 - lam if self.survival is None else self.survival * (1.0 - lam)
+            fire = self.cdf >= self.threshold
+        if self.tol is not None and previous is not None:
+            dtype = torch.promote_types(current.dtype, torch.float32)
+            prev = previous.to(dtype)
+            change = torch.linalg.vector_norm(current.to(dtype) - prev, dim=-1) / torch.linalg.vector_norm(
+                prev, dim=-1).clamp_min(torch.finfo(dtype).tiny)
+            fire = change < self.tol if fire is None else fire | (change < self.tol)
+        return fire
 
 
 def exit_loops(gate_logits, states, threshold=None, tol=None) -> torch.Tensor:
-    """``(B, S)`` 0-based exit loop of each token under ``exit_fires`` (the last loop where no rule fires), from the
+    """``(B, S)`` 0-based exit loop of each token under ``ExitRule`` (the last loop where no rule fires), from the
     gate logits ``(B, S, T)`` and the ``T`` loop states of a call that ran every loop."""
-    loops = len(states)
+    loops, rule = len(states), ExitRule(threshold, tol)
     index = torch.full(states[0].shape[:2], loops - 1, dtype=torch.long, device=states[0].device)
     for t in range(loops - 1):
-        fire = exit_fires(gate_logits[..., : t + 1], states[t - 1] if t else None, states[t], threshold, tol)
-        index = torch.where(fire & (index == loops - 1), torch.full_like(index, t), index)
+        fire = rule(gate_logits[..., t : t + 1], states[t - 1] if t else None, states[t])
+        if fire is not None:
+            index = torch.where(fire & (index == loops - 1), torch.full_like(index, t), index)
     return index
 
 
@@ -342,47 +356,55 @@ class OuroModel(OuroPreTrainedModel):
     def _loops_with_exit(self, hidden_states, loops, mask, position_embeddings, cache, keymask, threshold, tol,
                          **kwargs):
         """``exit_mode="skip"``: every loop runs on the tokens still running only. Returns the loop states (an exited
-        token keeps its exit state), the gate logits, each token's exit loop and the loops it ran, ``(B, S)``."""
-        num_layers = self.config.num_hidden_layers
+        token keeps its exit state), the gate logits and each token's exit loop ``(B, S)``."""
+        num_layers, rule = self.config.num_hidden_layers, ExitRule(threshold, tol)
         active = torch.ones(hidden_states.shape[:2], dtype=torch.bool, device=hidden_states.device)
-        ran = torch.zeros_like(active, dtype=torch.long)
-        exit_loop = torch.full_like(ran, loops - 1)
-        states, gates = [], []
+        exit_loop = torch.full(active.shape, loops - 1, dtype=torch.long, device=active.device)
+        states, gates, running = [], [], active.numel()
         for t in range(loops):
-            if bool(active.all()):  # the plain loop, exactly
+            if running == active.numel():  # the plain loop, exactly
                 new = self.loop(hidden_states, mask, position_embeddings, cache, offset=t * num_layers, **kwargs)
                 gate = self.early_exit_gate(new)
+            elif running == 0:  # every token has exited: the remaining slots get copies, nothing is computed
+                self._copy_slots(cache, range(t * num_layers, loops * num_layers), hidden_states.shape[1])
+                states += [hidden_states] * (loops - t)
+                gates += [gates[-1]] * (loops - t)
+                break
             else:
                 new = self._loop_running(hidden_states, active, position_embeddings, cache, t * num_layers, keymask)
                 gate = gates[-1].clone()  # an exited token's state, hence its gate, is frozen
                 gate[active] = self.early_exit_gate(new[active])
-            ran += active
             states.append(new)
             gates.append(gate)
-            if t < loops - 1:
-                done = active & exit_fires(torch.cat(gates, dim=-1), hidden_states if t else None, new, threshold, tol)
-                exit_loop = torch.where(done, torch.full_like(exit_loop, t), exit_loop)
-                active = active & ~done
+            fire = rule(gate, hidden_states if t else None, new) if t < loops - 1 else None
+            if fire is not None:
+                exit_loop = exit_loop.masked_fill(active & fire, t)
+                active = active & ~fire
+                running = int(active.sum())
             hidden_states = new
-        return states, gates, exit_loop, ran
+        return states, gates, exit_loop
+
+    def _copy_slots(self, cache, slots, seq: int) -> None:
+        """Each of ``slots`` gets the previous loop's entries of this call's ``seq`` tokens (its latest ones)."""
+        for slot in slots:
+            latest = cache.layers[slot - self.config.num_hidden_layers]
+            cache.update(latest.keys[:, :, -seq:], latest.values[:, :, -seq:], slot)
 
     def _loop_running(self, hidden_states, active, position_embeddings, cache, offset, keymask):
         """One loop for the running tokens (``active``, ``(B, S)``) only, gathered; the others keep their state, and
         their cache entries of this loop are copies of their latest ones (those of their exit loop)."""
         batch, seq = active.shape
         b, s = active.nonzero(as_tuple=True)  # (N,) running tokens, row-major
-        if b.numel() == 0:
-            for slot in range(offset, offset + self.config.num_hidden_layers):
-                latest = cache.layers[slot - self.config.num_hidden_layers]
-                cache.update(latest.keys[:, :, -seq:], latest.values[:, :, -seq:], slot)
-            return hidden_states
-        rows = active.any(-1).nonzero().squeeze(-1)  # (R,) rows with a running token
-        counts = active[rows].sum(-1)
-        width = int(counts.max())
-        # queries packed per row, (R, width): the positions of its running tokens first, in order
-        order = torch.sort((~active[rows]).to(torch.uint8), dim=-1, stable=True).indices[:, :width]
-        valid = torch.arange(width, device=active.device) < counts[:, None]
-        allowed = keymask[rows].gather(1, order[..., None].expand(-1, -1, keymask.shape[-1])) | ~valid[..., None]
+        if seq == 1:  # decoding: one query per running row
+            rows, valid, allowed = b, torch.ones_like(active[b]), keymask[b]
+        else:
+            rows = active.any(-1).nonzero().squeeze(-1)  # (R,) rows with a running token
+            counts = active[rows].sum(-1)
+            width = int(counts.max())
+            # queries packed per row, (R, width): the positions of its running tokens first, in order
+            order = torch.sort((~active[rows]).to(torch.uint8), dim=-1, stable=True).indices[:, :width]
+            valid = torch.arange(width, device=active.device) < counts[:, None]
+            allowed = keymask[rows].gather(1, order[..., None].expand(-1, -1, keymask.shape[-1])) | ~valid[..., None]
         rope = tuple(x.expand(batch, seq, -1)[b, s] for x in position_embeddings)  # (N, head_dim) each
         x = hidden_states[b, s]  # (N, D)
         for layer_idx, layer in enumerate(self.layers):
@@ -449,7 +471,7 @@ class OuroModel(OuroPreTrainedModel):
             total_ut_steps: loops for this call (default ``config.total_ut_steps``).
             exit_mode, exit_threshold, exit_tol: the early exit of this call (defaults: ``config.early_exit_mode``,
                 ``early_exit_threshold``, ``early_exit_tol``). With ``"skip"`` at inference each token stops at the
-                first loop where ``exit_fires``; otherwise every loop runs for every token.
+                first loop where its ``ExitRule`` fires; otherwise every loop runs for every token.
         """
         past_key_values = pop_cache(past_key_values, kwargs)
         if (input_ids is None) == (inputs_embeds is None):
@@ -483,11 +505,12 @@ class OuroModel(OuroPreTrainedModel):
                                       past_key_values=cache, position_ids=position_ids)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
         batch, seq = inputs_embeds.shape[:2]
-        exit_loop, ran = None, torch.full((batch, seq), loops, device=inputs_embeds.device)
+        exit_loop, ran = None, torch.full((batch, seq), loops, device=inputs_embeds.device)  # loops run per token
         if skip:
             keymask = running_key_mask(attention_mask, batch, seq, past, inputs_embeds.device)
-            states, gates, exit_loop, ran = self._loops_with_exit(inputs_embeds, loops, mask, position_embeddings,
-                                                                  cache, keymask, threshold, tol, **kwargs)
+            states, gates, exit_loop = self._loops_with_exit(inputs_embeds, loops, mask, position_embeddings, cache,
+                                                             keymask, threshold, tol, **kwargs)
+            ran = exit_loop + 1
         else:
             hidden_states, states, gates = inputs_embeds, [], []
             for t in range(loops):
@@ -680,5 +703,5 @@ class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
         return (per_token * valid).sum() / valid.sum().clamp_min(1)
 
 
-__all__ = ["LoopDepthWarning", "OuroCausalLMOutput", "OuroForCausalLM", "OuroModel", "OuroModelOutput",
-           "OuroPreTrainedModel", "exit_distribution", "exit_fires", "exit_loops", "loop_change"]
+__all__ = ["ExitRule", "LoopDepthWarning", "OuroCausalLMOutput", "OuroForCausalLM", "OuroModel", "OuroModelOutput",
+           "OuroPreTrainedModel", "exit_distribution", "exit_loops", "loop_change"]

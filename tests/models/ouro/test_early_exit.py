@@ -9,7 +9,7 @@ from transformers import DynamicCache, StaticCache
 
 from hf_fixedpoint.modeling import OuroConfig, OuroForCausalLM
 from hf_fixedpoint.modeling.ouro.fp_compat import create_causal_mask
-from hf_fixedpoint.modeling.ouro.modeling_ouro import exit_fires
+from hf_fixedpoint.modeling.ouro.modeling_ouro import ExitRule
 
 TINY = {"vocab_size": 99, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "max_position_embeddings": 64, "total_ut_steps": 4, "pad_token_id": 0,
@@ -91,16 +91,15 @@ def _reference_step(model, ids, mask, position_ids, cache, threshold):
     causal = create_causal_mask(config=model.config, inputs_embeds=embeds, attention_mask=mask,
                                 past_key_values=cache, position_ids=position_ids)
     rope = inner.rotary_emb(embeds, position_ids=position_ids)
-    rule = _RuleCache(cache, num_layers, ids.shape[1])
-    state, gates = embeds, []
+    rule, exit_rule = _RuleCache(cache, num_layers, ids.shape[1]), ExitRule(threshold)
+    state = embeds
     exited = torch.zeros(ids.shape, dtype=torch.bool)
     exit_loop = torch.full(ids.shape, loops - 1)
     for t in range(loops):
         rule.exited = exited if t else None
         new = torch.where(exited[..., None], state, inner.loop(state, causal, rope, rule, offset=t * num_layers))
-        gates.append(inner.early_exit_gate(new))
         if t < loops - 1:
-            fired = ~exited & exit_fires(torch.cat(gates, -1), state if t else None, new, threshold)
+            fired = ~exited & exit_rule(inner.early_exit_gate(new), state if t else None, new)
             exit_loop[fired] = t
             exited = exited | fired
         state = new

@@ -1,0 +1,127 @@
+"""Ouro early exit that skips compute: FLOPs and wall time per generated token, exit on vs off (CPU, one thread).
+
+    python -m recipes.stars_ouro --output_dir runs/stars_ouro    # once: trains the STARS model (~9 min)
+    python -m benchmarks.bench_ouro_exit                         # --model_dir runs/stars_ouro/stars, ~3-5 min
+    python -m benchmarks.bench_ouro_exit --quick                 # 32 problems, one repeat
+
+Held-out 3-digit additions of the recipe (its evaluation seed; numbers least significant digit first): the prompt
+``a+b=`` is greedily continued for the answer's digits (a fixed count of new tokens, so every setting generates as
+many tokens). Full depth (``exit_mode="select"`` with no exit rule: every loop for every token) is the
+baseline; each exit setting runs ``exit_mode="skip"`` with the gate's Q-exit threshold (``q``) or the state-change
+tolerance (``tol``). For batch sizes 1 and 16 the runs are interleaved (baseline, setting 1, setting 2, ...) so that
+background load hits all alike; times are the minimum over ``--repeats``. FLOPs per generated token are those the
+model reports (``generate(..., return_dict_in_generate=True).flops``: matrix-multiply FLOPs of the position that
+produced each token); exact match is the whole answer right. Target (issue 16): at the cheapest setting whose exact
+match is within 1 point of full depth, >= 1.5x fewer FLOPs and >= 1.3x less wall time per token at batch 16.
+"""
+
+import argparse
+import os
+import time
+
+import torch
+
+from hf_fixedpoint.modeling import OuroForCausalLM
+from recipes.stars_ouro import addition_batch, char_tokenizer
+
+FLOPS_TARGET, WALL_TARGET = 1.5, 1.3
+EVAL_SEED = 10**6 + 7  # the recipe's held-out problems
+
+
+def settings(args):
+    """``(name, generate kwargs)``: the baseline first."""
+    out = [("full depth", {"exit_mode": "select"})]
+    out += [(f"q={q:g}", {"exit_mode": "skip", "exit_threshold": q}) for q in args.thresholds]
+    out += [(f"tol={t:g}", {"exit_mode": "skip", "exit_tol": t}) for t in args.tols]
+    return out
+
+
+def run(model, prompts, answers, batch, loops, kwargs):
+    """Greedy answers for every prompt: (seconds, exact match, FLOPs per generated token, mean loops run)."""
+    new = answers.shape[1]
+    hits, flops, exits, seconds = 0, 0.0, 0.0, 0.0
+    with torch.no_grad():
+        for i in range(0, len(prompts), batch):
+            x = prompts[i : i + batch]
+            start = time.perf_counter()
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, min_new_tokens=new,
+                                 do_sample=False, pad_token_id=0, total_ut_steps=loops, return_dict_in_generate=True,
+                                 **kwargs)
+            seconds += time.perf_counter() - start
+            hits += int((out.sequences[:, x.shape[1]:] == answers[i : i + batch]).all(-1).sum())
+            flops += float(out.flops.double().sum())
+            exits += float((out.exit_loop + 1).double().sum())
+    tokens = len(prompts) * new
+    return seconds, hits / len(prompts), flops / tokens, exits / tokens
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model_dir", default="runs/stars_ouro/stars")
+    parser.add_argument("--loops", type=int, default=8, help="full depth (total_ut_steps)")
+    parser.add_argument("--problems", type=int, default=64)
+    parser.add_argument("--digits", type=int, default=3)
+    parser.add_argument("--batch_sizes", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--thresholds", type=float, nargs="*", default=[0.5, 0.9, 0.99])
+    parser.add_argument("--tols", type=float, nargs="*", default=[0.2, 0.1, 0.05])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="32 problems, one repeat")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.problems, args.repeats = 32, 1
+    if not os.path.isdir(args.model_dir):
+        raise SystemExit(f"{args.model_dir} not found: train it with python -m recipes.stars_ouro --output_dir "
+                         f"{os.path.dirname(args.model_dir) or '.'}")
+    torch.set_num_threads(1)
+    model = OuroForCausalLM.from_pretrained(args.model_dir).float().eval()  # this checkout's code
+    model.config.loop_guard_tol = None  # the depth guard is not what is measured here
+    tokenizer = char_tokenizer()
+    ids, _ = addition_batch(args.problems, args.digits, torch.Generator().manual_seed(EVAL_SEED), tokenizer)
+    split = 2 * args.digits + 2  # "a+b=" | answer digits and EOS
+    prompts, answers = ids[:, :split], ids[:, split:-1]  # the answer's digits, without EOS
+    cases = settings(args)
+    print(f"Ouro early exit: {args.model_dir}, {args.loops} loops at full depth, {args.problems} held-out "
+          f"{args.digits}-digit additions, {answers.shape[1]} new tokens each; os.getloadavg() = "
+          f"{os.getloadavg()[0]:.2f}")
+    results = {}
+    for batch in args.batch_sizes:
+        run(model, prompts[:batch], answers[:batch], batch, args.loops, cases[0][1])  # warm-up
+        times = {name: [] for name, _ in cases}
+        for _ in range(args.repeats):
+            for name, kwargs in cases:
+                seconds, match, flops, loops_run = run(model, prompts, answers, batch, args.loops, kwargs)
+                times[name].append(seconds)
+                results[batch, name] = {"exact_match": match, "flops": flops, "loops_run": loops_run}
+        tokens = args.problems * answers.shape[1]
+        base = results[batch, cases[0][0]]
+        base_s = min(times[cases[0][0]]) / tokens
+        print(f"\nbatch {batch}:  {'setting':<11s} {'exact':>6s} {'loops':>6s} {'MFLOP/tok':>10s} {'ms/tok':>7s} "
+              f"{'FLOPs x':>8s} {'wall x':>7s}")
+        for name, _ in cases:
+            r = results[batch, name]
+            r["s_per_token"] = min(times[name]) / tokens
+            r["flops_ratio"], r["wall_ratio"] = base["flops"] / r["flops"], base_s / r["s_per_token"]
+            print(f"{'':10s}{name:<11s} {100 * r['exact_match']:6.1f} {r['loops_run']:6.2f} {r['flops'] / 1e6:10.3f} "
+                  f"{1e3 * r['s_per_token']:7.3f} {r['flops_ratio']:8.2f} {r['wall_ratio']:7.2f}")
+    verdict(results, cases, max(args.batch_sizes))
+    return results
+
+
+def verdict(results, cases, batch):
+    """The target at the cheapest setting (in FLOPs) that keeps exact match within 1 point of full depth."""
+    base = results[batch, cases[0][0]]
+    ok = [name for name, _ in cases[1:] if results[batch, name]["exact_match"] >= base["exact_match"] - 0.01]
+    if not ok:
+        print(f"\nno exit setting keeps exact match within 1 point of full depth at batch {batch}: target FAIL")
+        return
+    best = min(ok, key=lambda name: results[batch, name]["flops"])
+    r = results[batch, best]
+    passed = r["flops_ratio"] >= FLOPS_TARGET and r["wall_ratio"] >= WALL_TARGET
+    print(f"\nbatch {batch}, cheapest setting within 1 point of full depth: {best} (exact match "
+          f"{100 * r['exact_match']:.1f} vs {100 * base['exact_match']:.1f}): {r['flops_ratio']:.2f}x fewer FLOPs "
+          f"(target >= {FLOPS_TARGET}), {r['wall_ratio']:.2f}x less wall time per token (target >= {WALL_TARGET}): "
+          f"{'PASS' if passed else 'FAIL'}")
+
+
+if __name__ == "__main__":
+    main()
