@@ -1,7 +1,7 @@
 """Ouro early exit that skips compute: FLOPs and wall time per generated token, exit on vs off (CPU, one thread).
 
     python -m recipes.stars_ouro --output_dir runs/stars_ouro    # once: trains the STARS model (~9 min)
-    python -m benchmarks.bench_ouro_exit                         # --model_dir runs/stars_ouro/stars, ~3-5 min
+    python -m benchmarks.bench_ouro_exit                         # --model_dir runs/stars_ouro/stars, ~3-6 min
     python -m benchmarks.bench_ouro_exit --quick                 # 32 problems, one repeat
 
 Held-out 3-digit additions of the recipe (its evaluation seed; numbers least significant digit first): the prompt
@@ -84,12 +84,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model_dir", default="runs/stars_ouro/stars")
     parser.add_argument("--loops", type=int, default=8, help="full depth (total_ut_steps)")
-    parser.add_argument("--problems", type=int, default=64)
+    parser.add_argument("--problems", type=int, default=128)
     parser.add_argument("--digits", type=int, default=3)
     parser.add_argument("--batch_sizes", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--thresholds", type=float, nargs="*", default=[0.5, 0.9, 0.99])
     parser.add_argument("--tols", type=float, nargs="*", default=[0.2, 0.1, 0.05])
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="32 problems, one repeat")
     args = parser.parse_args(argv)
     if args.quick:

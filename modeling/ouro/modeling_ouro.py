@@ -395,8 +395,8 @@ class OuroModel(OuroPreTrainedModel):
         their cache entries of this loop are copies of their latest ones (those of their exit loop)."""
         batch, seq = active.shape
         b, s = active.nonzero(as_tuple=True)  # (N,) running tokens, row-major
-        if seq == 1:  # decoding: one query per running row
-            rows, valid, allowed = b, torch.ones_like(active[b]), keymask[b]
+        if seq == 1:  # decoding: one query per running row, no packing (valid=None)
+            rows, valid, allowed = b, None, keymask[b]
         else:
             rows = active.any(-1).nonzero().squeeze(-1)  # (R,) rows with a running token
             counts = active[rows].sum(-1)
@@ -418,7 +418,7 @@ class OuroModel(OuroPreTrainedModel):
     def _attend_running(self, attn, x, cache, slot, seq, index, rows, valid, allowed, rope):
         """Attention of the running tokens ``x`` ``(N, D)`` (already normed) of a call of ``seq`` tokens: slot
         ``slot`` gets the previous loop's latest keys and values of this call with the running tokens' replaced;
-        queries attend packed per row ``(R, width)``."""
+        queries attend packed per row ``(R, width)`` (``valid``), or one per row when decoding (``valid=None``)."""
         n, head_dim = x.shape[0], attn.head_dim
         q = attn.q_proj(x).view(n, -1, head_dim)
         k = attn.k_proj(x).view(n, -1, head_dim)
@@ -429,11 +429,16 @@ class OuroModel(OuroPreTrainedModel):
         keys[index[0], :, index[1]] = k
         values[index[0], :, index[1]] = v
         keys, values = cache.update(keys, values, slot)
+        keys = repeat_kv(keys[rows], attn.num_key_value_groups)
+        values = repeat_kv(values[rows], attn.num_key_value_groups)
+        if valid is None:  # one query per row: (N, H, 1, head_dim)
+            out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=allowed[:, None],
+                                                 scale=attn.scaling)
+            return attn.o_proj(out.reshape(n, -1))
         query = q.new_zeros(*valid.shape, *q.shape[1:])
         query[valid] = q  # (R, width, H, head_dim)
-        out = F.scaled_dot_product_attention(
-            query.transpose(1, 2), repeat_kv(keys[rows], attn.num_key_value_groups),
-            repeat_kv(values[rows], attn.num_key_value_groups), attn_mask=allowed[:, None], scale=attn.scaling)
+        out = F.scaled_dot_product_attention(query.transpose(1, 2), keys, values, attn_mask=allowed[:, None],
+                                             scale=attn.scaling)
         return attn.o_proj(out.transpose(1, 2)[valid].reshape(n, -1))
 
     def loop_step(self, hidden_states, attention_mask=None, position_ids=None):
