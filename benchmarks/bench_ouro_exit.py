@@ -10,8 +10,9 @@ many tokens). Full depth (``exit_mode="select"`` with no exit rule: every loop f
 baseline; each exit setting runs ``exit_mode="skip"`` with the gate's Q-exit threshold (``q``) or the state-change
 tolerance (``tol``). Timed: the forward calls of a greedy decoding loop with the cache (one forward per new token;
 ``generate`` adds a fixed cost per call that the exit does not change, and is checked, once per setting, to give the
-same tokens and FLOPs). For batch sizes 1 and 16 the runs are interleaved (baseline, setting 1, setting 2, ...) so
-that background load hits all alike; times are the minimum over ``--repeats``. FLOPs per generated token are those the
+same tokens and FLOPs). For batch sizes 1 and 16 the settings are interleaved batch of prompts by batch of prompts,
+so that background load hits all alike; a setting's time is the sum over the batches of prompts of the fastest of
+``--repeats`` runs. FLOPs per generated token are those the
 model reports (``generate(..., return_dict_in_generate=True).flops``: matrix-multiply FLOPs of the position that
 produced each token); exact match is the whole answer right. Target (issue 16): a setting whose exact match is within 1
 point of full depth with >= 1.5x fewer FLOPs and >= 1.3x less wall time per token at batch 16.
@@ -56,28 +57,38 @@ def greedy(model, x, new, loops, kwargs):
     return torch.cat(tokens, dim=1), torch.stack(flops, dim=1), torch.stack(ran, dim=1)
 
 
-def run(model, prompts, answers, batch, loops, kwargs, check=False):
-    """Greedy answers for every prompt: (seconds, exact match, FLOPs per generated token, mean loops run). With
-    ``check``, ``generate`` must give the same tokens and report the same FLOPs."""
-    new = answers.shape[1]
-    hits, flops, exits, seconds = 0, 0.0, 0.0, 0.0
+def check_generate(model, x, new, loops, kwargs):
+    """``generate`` gives the decoding loop's tokens and reports its FLOPs."""
+    tokens, spent, _ = greedy(model, x, new, loops, kwargs)
+    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, min_new_tokens=new,
+                         do_sample=False, pad_token_id=0, total_ut_steps=loops, return_dict_in_generate=True, **kwargs)
+    if not (torch.equal(out.sequences[:, x.shape[1]:], tokens) and torch.equal(out.flops, spent)):
+        raise RuntimeError(f"generate disagrees with the decoding loop for {kwargs}")
+
+
+def measure(model, prompts, answers, batch, loops, cases, repeats):
+    """Per setting: exact match, FLOPs and loops run per generated token, and seconds per generated token: for each
+    batch of prompts the fastest of ``repeats`` runs, the settings interleaved batch by batch (in rotating order),
+    so that changes of the background load hit every setting alike."""
+    new, starts = answers.shape[1], range(0, len(prompts), batch)
+    best = {name: [float("inf")] * len(starts) for name, _ in cases}
+    stats = {name: {"hits": 0, "flops": 0.0, "loops": 0.0} for name, _ in cases}
     with torch.no_grad():
-        for i in range(0, len(prompts), batch):
-            x = prompts[i : i + batch]
-            start = time.perf_counter()
-            tokens, spent, ran = greedy(model, x, new, loops, kwargs)
-            seconds += time.perf_counter() - start
-            hits += int((tokens == answers[i : i + batch]).all(-1).sum())
-            flops += float(spent.double().sum())
-            exits += float(ran.double().sum())
-            if check:
-                out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, min_new_tokens=new,
-                                     do_sample=False, pad_token_id=0, total_ut_steps=loops,
-                                     return_dict_in_generate=True, **kwargs)
-                if not (torch.equal(out.sequences[:, x.shape[1]:], tokens) and torch.equal(out.flops, spent)):
-                    raise RuntimeError(f"generate disagrees with the decoding loop for {kwargs}")
+        for repeat in range(repeats):
+            for j, i in enumerate(starts):
+                x = prompts[i : i + batch]
+                for name, kwargs in cases[j % len(cases):] + cases[: j % len(cases)]:
+                    start = time.perf_counter()
+                    tokens, spent, ran = greedy(model, x, new, loops, kwargs)
+                    best[name][j] = min(best[name][j], time.perf_counter() - start)
+                    if repeat == 0:
+                        stats[name]["hits"] += int((tokens == answers[i : i + batch]).all(-1).sum())
+                        stats[name]["flops"] += float(spent.double().sum())
+                        stats[name]["loops"] += float(ran.double().sum())
     tokens = len(prompts) * new
-    return seconds, hits / len(prompts), flops / tokens, exits / tokens
+    return {name: {"exact_match": st["hits"] / len(prompts), "flops": st["flops"] / tokens,
+                   "loops_run": st["loops"] / tokens, "s_per_token": sum(best[name]) / tokens}
+            for name, st in stats.items()}
 
 
 def main(argv=None):
@@ -110,23 +121,15 @@ def main(argv=None):
           f"{os.getloadavg()[0]:.2f}")
     results = {}
     for batch in args.batch_sizes:
-        for _, kwargs in cases:  # warm-up, and generate gives the decoding loop's tokens and FLOPs
-            run(model, prompts[:batch], answers[:batch], batch, args.loops, kwargs, check=True)
-        times = {name: [] for name, _ in cases}
-        for _ in range(args.repeats):
-            for name, kwargs in cases:
-                seconds, match, flops, loops_run = run(model, prompts, answers, batch, args.loops, kwargs)
-                times[name].append(seconds)
-                results[batch, name] = {"exact_match": match, "flops": flops, "loops_run": loops_run}
-        tokens = args.problems * answers.shape[1]
-        base = results[batch, cases[0][0]]
-        base_s = min(times[cases[0][0]]) / tokens
+        for _, kwargs in cases:  # warm-up, and the check against generate
+            check_generate(model, prompts[:batch], answers.shape[1], args.loops, kwargs)
+        measured = measure(model, prompts, answers, batch, args.loops, cases, args.repeats)
+        base = measured[cases[0][0]]
         print(f"\nbatch {batch}:  {'setting':<11s} {'exact':>6s} {'loops':>6s} {'MFLOP/tok':>10s} {'ms/tok':>7s} "
               f"{'FLOPs x':>8s} {'wall x':>7s}")
         for name, _ in cases:
-            r = results[batch, name]
-            r["s_per_token"] = min(times[name]) / tokens
-            r["flops_ratio"], r["wall_ratio"] = base["flops"] / r["flops"], base_s / r["s_per_token"]
+            r = results[batch, name] = measured[name]
+            r["flops_ratio"], r["wall_ratio"] = base["flops"] / r["flops"], base["s_per_token"] / r["s_per_token"]
             print(f"{'':10s}{name:<11s} {100 * r['exact_match']:6.1f} {r['loops_run']:6.2f} {r['flops'] / 1e6:10.3f} "
                   f"{1e3 * r['s_per_token']:7.3f} {r['flops_ratio']:8.2f} {r['wall_ratio']:7.2f}")
     verdict(results, cases, max(args.batch_sizes))
