@@ -40,6 +40,7 @@ from transformers.optimization import get_wsd_schedule
 
 from hf_fixedpoint.checkpointing import Checkpointer, Preemption, Stateful, staged_folder, write_json
 from hf_fixedpoint.modeling import OuroConfig, OuroForCausalLM
+from hf_fixedpoint.modeling.ouro.configuration_ouro import EXIT_LOSSES
 from hf_fixedpoint.recipe_args import RecipeArgs, end_tracking, log_scalars, push_output, start_run, tracking
 from hf_fixedpoint.stars import STARSRegularizer, loop_sampler
 
@@ -79,6 +80,10 @@ class Args(RecipeArgs):  # --seed, --report_to, --push_to_hub, ...: docs/recipes
                                                             "much faster with 0.2 than with Ouro's 0.02"})
     num_layers: int = field(default=1, metadata={"help": "layers in the looped stack"})
     num_heads: int = field(default=4, metadata={"help": "attention heads"})
+    exit_loss: str = field(default="last", metadata={"help": "training loss: last (the last loop's), expected_loss "
+                                                              "(Ouro stage I, trains the exit gate: sum_t p_t CE_t - "
+                                                              "entropy_weight * H(p)) or expected_logits"})
+    entropy_weight: float = field(default=0.0, metadata={"help": "beta of --exit_loss expected_loss"})
     eval_size: int = field(default=1000, metadata={"help": "held-out problems per loop count"})
     eval_loops: Optional[str] = field(default=None, metadata={"help": "comma-separated loop counts (default: 1, "
                                                                        "2, ..., 4 x train_loops)"})
@@ -121,6 +126,10 @@ def check_args(args):
                  "log_every", "min_loops", "reg_iters", "max_seq_length"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}.")
+    if args.exit_loss not in EXIT_LOSSES:
+        raise ValueError(f"--exit_loss={args.exit_loss!r}: allowed values are {', '.join(EXIT_LOSSES)}.")
+    if args.entropy_weight < 0:
+        raise ValueError(f"--entropy_weight must be >= 0, got {args.entropy_weight}.")
     if args.save_total_limit < 0:
         raise ValueError(f"--save_total_limit must be >= 0 (0: keep all), got {args.save_total_limit}.")
     if args.reg_warmup_steps < 0 or (args.reg_max_batch or 0) < 0:
@@ -261,7 +270,7 @@ def train_addition(args, accelerator, tokenizer, run):
                         num_attention_heads=args.num_heads, num_key_value_heads=args.num_heads,
                         max_position_embeddings=64, rope_theta=10000.0, initializer_range=args.init_std,
                         total_ut_steps=args.train_loops, trained_loops=trained_loops(args, run),
-                        early_exit_threshold=None, exit_loss="last",
+                        early_exit_threshold=None, exit_loss=args.exit_loss, entropy_weight=args.entropy_weight,
                         tie_word_embeddings=True, use_cache=True, pad_token_id=tokenizer.pad_token_id,
                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     model = freeze_unused_exit_gate(OuroForCausalLM(config))

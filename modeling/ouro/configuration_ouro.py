@@ -12,6 +12,7 @@ from transformers import PretrainedConfig
 from .fp_registry import CheckedConfigMixin, check_choice, check_number, complete_auto_map
 
 EXIT_LOSSES = ("expected_logits", "expected_loss", "last")
+EXIT_MODES = ("select", "skip")
 
 
 def check_trained_loops(value):
@@ -44,6 +45,13 @@ class OuroConfig(CheckedConfigMixin, PretrainedConfig):
         early_exit_threshold: Q-exit threshold at inference: each token is decoded from the first loop whose
             cumulative exit probability reaches it (1.0: in practice the last loop); ``None`` decodes the last loop.
         early_exit_step: if set (0-based), inference decodes that loop's state instead.
+        early_exit_tol: second exit rule at inference (not an upstream key): a token also exits at the first loop
+            (from the second on) whose relative state change ``||h_t - h_{t-1}|| / ||h_{t-1}||`` is below it.
+            ``None`` disables it.
+        early_exit_mode: ``"select"`` (upstream) computes every loop for every token and decodes the exit loop;
+            ``"skip"`` (not an upstream key) stops each token at its exit loop at inference: the remaining loops run
+            on the tokens still running only, and an exited token's deeper cache slots hold copies of the keys and
+            values of its exit loop (see ``docs/ouro_stars.md``). Overridable per call (``exit_mode=``).
         exit_loss: training loss with ``labels`` (not an upstream key): ``"expected_logits"`` (upstream HF code:
             cross-entropy of the exit-probability-weighted mixture of per-loop logits), ``"expected_loss"`` (paper
             stage I: ``sum_t p_t * CE_t - entropy_weight * H(p)``) or ``"last"`` (cross-entropy of the last loop).
@@ -107,6 +115,8 @@ class OuroConfig(CheckedConfigMixin, PretrainedConfig):
         total_ut_steps: int = 4,
         early_exit_threshold: float = 1.0,
         early_exit_step: int = None,
+        early_exit_tol: float = None,
+        early_exit_mode: str = "select",
         exit_loss: str = "expected_logits",
         entropy_weight: float = 0.0,
         trained_loops: list = None,
@@ -153,6 +163,8 @@ class OuroConfig(CheckedConfigMixin, PretrainedConfig):
         self.total_ut_steps = total_ut_steps  # this and the early-exit knobs: checked by check_setting
         self.early_exit_threshold = early_exit_threshold
         self.early_exit_step = early_exit_step
+        self.early_exit_tol = early_exit_tol
+        self.early_exit_mode = early_exit_mode
         self.exit_loss = exit_loss
         self.entropy_weight = entropy_weight
         self.trained_loops = trained_loops
@@ -171,7 +183,11 @@ class OuroConfig(CheckedConfigMixin, PretrainedConfig):
             check_number(value, key, low=0.0, high=1.0)
         elif key == "early_exit_step" and value is not None:
             check_number(value, key, low=0, integer=True)
+        elif key == "early_exit_tol" and value is not None:
+            check_number(value, key, low=0.0)
+        elif key == "early_exit_mode":
+            check_choice(value, key, EXIT_MODES)
         super().check_setting(key, value)
 
 
-__all__ = ["EXIT_LOSSES", "OuroConfig", "check_trained_loops"]
+__all__ = ["EXIT_LOSSES", "EXIT_MODES", "OuroConfig", "check_trained_loops"]

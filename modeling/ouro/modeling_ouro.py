@@ -36,18 +36,26 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, StaticLayer
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import ModelOutput
-from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+    repeat_kv,
+)
 from transformers.utils import can_return_tuple
 
-from .configuration_ouro import OuroConfig
+from .configuration_ouro import EXIT_MODES, OuroConfig
 from .fp_compat import (
     CACHE_NAME,
     cache_field,
     capture_outputs,
     create_causal_mask,
     pop_cache,
+    require_dynamic_cache,
 )
-from .fp_registry import check_number, reject_prefixed_keywords
+from .fp_registry import check_choice, check_number, reject_prefixed_keywords
 
 
 @dataclass
@@ -64,6 +72,11 @@ class OuroModelOutput(ModelOutput):
             A model that extrapolates in depth settles (the change shrinks towards 0); see ``config.loop_guard_tol``.
         loop_step: one loop as a function of the state (``h -> norm(layers(h))``, same mask and positions, no
             cache), for regularizers such as STARS' Jacobian penalty.
+        exit_loop: ``(B, S)`` 0-based loop at which each token stopped (``exit_mode="skip"``; the head also fills it
+            with the decoded loop of the threshold / tolerance rule in ``"select"`` mode).
+        flops: ``(B, S)`` float32, matrix-multiply FLOPs spent on each token in this call (multiply-add = 2): q/k/v/o
+            projections, attention products over every key position of the call, MLP, exit gate (and, from the
+            head, ``lm_head``). Norms, RoPE and the padding of gathered queries are not counted.
     """
 
     last_hidden_state: Optional[torch.FloatTensor] = None
@@ -74,6 +87,8 @@ class OuroModelOutput(ModelOutput):
     hidden_states: Optional[tuple] = None
     attentions: Optional[tuple] = None
     loop_change: Optional[torch.FloatTensor] = None
+    exit_loop: Optional[torch.LongTensor] = None
+    flops: Optional[torch.FloatTensor] = None
 
 
 @dataclass
@@ -86,6 +101,7 @@ class OuroCausalLMOutput(ModelOutput):
         past_key_values, loop_hidden_states, gate_logits, loop_step, loop_change: as in ``OuroModelOutput``.
         exit_pdf: exit distribution over loops per token, ``(B, S, T)`` (at least float32).
         loop_logits: logits of every loop (tuple of ``T``) when ``output_loop_logits=True``.
+        exit_loop, flops: as in ``OuroModelOutput``; ``flops`` includes the ``lm_head`` products.
     """
 
     loss: Optional[torch.FloatTensor] = None
@@ -99,6 +115,8 @@ class OuroCausalLMOutput(ModelOutput):
     hidden_states: Optional[tuple] = None
     attentions: Optional[tuple] = None
     loop_change: Optional[torch.FloatTensor] = None
+    exit_loop: Optional[torch.LongTensor] = None
+    flops: Optional[torch.FloatTensor] = None
 
 
 class LoopDepthWarning(UserWarning):
@@ -136,6 +154,67 @@ def exit_distribution(gate_logits: torch.Tensor) -> torch.Tensor:
     return torch.cat([lam[..., :-1] * before[..., :-1], before[..., -1:]], dim=-1)
 
 
+class ExitRule:
+    """Ouro's exit rules, applied loop by loop: ``rule(gate, previous, current)`` after loop ``t`` (0-based) gives the
+    ``(B, S)`` tokens whose rule fires there (None when no rule is set), from the loop's gate logits ``(B, S, 1)``
+    and the states of loops ``t - 1`` (None at ``t = 0``) and ``t``:
+
+    * ``threshold``: the cumulative exit probability ``sum_{j<=t} p_j`` reaches it (Ouro's Q-exit; ``p_j`` as in
+      ``exit_distribution``, accumulated in the same order);
+    * ``tol``: the relative state change ``||h_t - h_{t-1}|| / ||h_{t-1}||`` per token is below it.
+
+    Only meaningful before the last loop (where every token exits)."""
+
+    def __init__(self, threshold=None, tol=None):
+        self.threshold, self.tol, self.cdf, self.survival = threshold, tol, None, None
+
+    def __call__(self, gate, previous, current) -> Optional[torch.Tensor]:
+        fire = None
+        if self.threshold is not None:
+            lam = torch.sigmoid(gate[..., 0].to(torch.promote_types(gate.dtype, torch.float32)))
+            p = lam if self.survival is None else lam * self.survival  # p_t = lambda_t * S_{t-1}
+            self.cdf = p if self.cdf is None else self.cdf + p
+            self.survival = 1.0 - lam if self.survival is None else self.survival * (1.0 - lam)
+            fire = self.cdf >= self.threshold
+        if self.tol is not None and previous is not None:
+            dtype = torch.promote_types(current.dtype, torch.float32)
+            prev = previous.to(dtype)
+            change = torch.linalg.vector_norm(current.to(dtype) - prev, dim=-1) / torch.linalg.vector_norm(
+                prev, dim=-1).clamp_min(torch.finfo(dtype).tiny)
+            fire = change < self.tol if fire is None else fire | (change < self.tol)
+        return fire
+
+
+def exit_loops(gate_logits, states, threshold=None, tol=None) -> torch.Tensor:
+    """``(B, S)`` 0-based exit loop of each token under ``ExitRule`` (the last loop where no rule fires), from the
+    gate logits ``(B, S, T)`` and the ``T`` loop states of a call that ran every loop."""
+    loops, rule = len(states), ExitRule(threshold, tol)
+    index = torch.full(states[0].shape[:2], loops - 1, dtype=torch.long, device=states[0].device)
+    for t in range(loops - 1):
+        fire = rule(gate_logits[..., t : t + 1], states[t - 1] if t else None, states[t])
+        if fire is not None:
+            index = torch.where(fire & (index == loops - 1), torch.full_like(index, t), index)
+    return index
+
+
+def _mixture(loop_logits, pdf):
+    """Exit-probability-weighted mixture of the per-loop logits."""
+    return sum(pdf[..., t, None].to(logits.dtype) * logits for t, logits in enumerate(loop_logits))
+
+
+def running_key_mask(attention_mask, batch: int, seq: int, past: int, device) -> torch.Tensor:
+    """``(B, S, past + S)`` bool: the keys query ``s`` (cache position ``past + s``) attends to: causal, minus the
+    padding of a 2-d ``attention_mask``; its own key always, so that a padding query has one key (no NaN)."""
+    if attention_mask is not None and not (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2):
+        raise ValueError("exit_mode='skip' needs a 2-d attention_mask (batch, keys) or None.")
+    keys = torch.arange(past + seq, device=device)
+    query = past + torch.arange(seq, device=device)
+    allowed = (keys[None, :] <= query[:, None])[None].expand(batch, -1, -1)
+    if attention_mask is not None:
+        allowed = allowed & attention_mask[:, None, -(past + seq):].to(device=device, dtype=torch.bool)
+    return allowed | (keys[None, None, :] == query[None, :, None])
+
+
 class OuroRMSNorm(LlamaRMSNorm):
     """Llama's RMS norm (``weight * x / rms(x)``, weight initialized to ones) computed in at least float32:
     half-precision inputs get float32 statistics as upstream, float64 inputs stay in float64."""
@@ -169,9 +248,14 @@ class OuroDecoderLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = OuroRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm_2 = OuroRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, past_key_values=None, **kwargs):
-        attn, _ = self.self_attn(self.input_layernorm(hidden_states), position_embeddings=position_embeddings,
-                                 attention_mask=attention_mask, **{CACHE_NAME: past_key_values}, **kwargs)
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, past_key_values=None, attend=None,
+                **kwargs):
+        """``attend(self_attn, x)``, if given, replaces the attention call (the running tokens of an early exit)."""
+        if attend is not None:
+            attn = attend(self.self_attn, self.input_layernorm(hidden_states))
+        else:
+            attn, _ = self.self_attn(self.input_layernorm(hidden_states), position_embeddings=position_embeddings,
+                                     attention_mask=attention_mask, **{CACHE_NAME: past_key_values}, **kwargs)
         hidden_states = hidden_states + self.input_layernorm_2(attn)
         mlp = self.mlp(self.post_attention_layernorm(hidden_states))
         return hidden_states + self.post_attention_layernorm_2(mlp)
@@ -208,6 +292,19 @@ def _resolve_loops(total_ut_steps, config) -> int:
     loops = config.total_ut_steps if total_ut_steps is None else total_ut_steps
     check_number(loops, "total_ut_steps", low=1, integer=True)
     return loops
+
+
+def _resolve_exit(exit_mode, exit_threshold, exit_tol, config):
+    """The per-call exit settings (``None``: the config's), validated: ``(mode, threshold, tol)``."""
+    mode = getattr(config, "early_exit_mode", "select") if exit_mode is None else exit_mode
+    check_choice(mode, "exit_mode", EXIT_MODES)
+    threshold = config.early_exit_threshold if exit_threshold is None else exit_threshold
+    if threshold is not None:
+        check_number(threshold, "exit_threshold", low=0.0, high=1.0)
+    tol = getattr(config, "early_exit_tol", None) if exit_tol is None else exit_tol
+    if tol is not None:
+        check_number(tol, "exit_tol", low=0.0)
+    return mode, threshold, tol
 
 
 class OuroModel(OuroPreTrainedModel):
@@ -248,6 +345,102 @@ class OuroModel(OuroPreTrainedModel):
                                   past_key_values=cache, **kwargs)
         return self.norm(hidden_states)
 
+    def loop_flops(self, keys: int) -> int:
+        """Matrix-multiply FLOPs of one loop for one token whose attention spans ``keys`` positions (gate
+        included)."""
+        c, attn = self.config, self.layers[0].self_attn
+        q, kv = c.num_attention_heads * attn.head_dim, c.num_key_value_heads * attn.head_dim
+        layer = 2 * c.hidden_size * (2 * q + 2 * kv) + 6 * c.hidden_size * c.intermediate_size + 4 * q * keys
+        return c.num_hidden_layers * layer + 2 * c.hidden_size
+
+    def _loops_with_exit(self, hidden_states, loops, mask, position_embeddings, cache, keymask, threshold, tol,
+                         **kwargs):
+        """``exit_mode="skip"``: every loop runs on the tokens still running only. Returns the loop states (an exited
+        token keeps its exit state), the gate logits and each token's exit loop ``(B, S)``."""
+        num_layers, rule = self.config.num_hidden_layers, ExitRule(threshold, tol)
+        active = torch.ones(hidden_states.shape[:2], dtype=torch.bool, device=hidden_states.device)
+        exit_loop = torch.full(active.shape, loops - 1, dtype=torch.long, device=active.device)
+        states, gates, running = [], [], active.numel()
+        for t in range(loops):
+            if running == active.numel():  # the plain loop, exactly
+                new = self.loop(hidden_states, mask, position_embeddings, cache, offset=t * num_layers, **kwargs)
+                gate = self.early_exit_gate(new)
+            elif running == 0:  # every token has exited: the remaining slots get copies, nothing is computed
+                self._copy_slots(cache, range(t * num_layers, loops * num_layers), hidden_states.shape[1])
+                states += [hidden_states] * (loops - t)
+                gates += [gates[-1]] * (loops - t)
+                break
+            else:
+                new = self._loop_running(hidden_states, active, position_embeddings, cache, t * num_layers, keymask)
+                gate = gates[-1].clone()  # an exited token's state, hence its gate, is frozen
+                gate[active] = self.early_exit_gate(new[active])
+            states.append(new)
+            gates.append(gate)
+            fire = rule(gate, hidden_states if t else None, new) if t < loops - 1 else None
+            if fire is not None:
+                exit_loop = exit_loop.masked_fill(active & fire, t)
+                active = active & ~fire
+                running = int(active.sum())
+            hidden_states = new
+        return states, gates, exit_loop
+
+    def _copy_slots(self, cache, slots, seq: int) -> None:
+        """Each of ``slots`` gets the previous loop's entries of this call's ``seq`` tokens (its latest ones)."""
+        for slot in slots:
+            latest = cache.layers[slot - self.config.num_hidden_layers]
+            cache.update(latest.keys[:, :, -seq:], latest.values[:, :, -seq:], slot)
+
+    def _loop_running(self, hidden_states, active, position_embeddings, cache, offset, keymask):
+        """One loop for the running tokens (``active``, ``(B, S)``) only, gathered; the others keep their state, and
+        their cache entries of this loop are copies of their latest ones (those of their exit loop)."""
+        batch, seq = active.shape
+        b, s = active.nonzero(as_tuple=True)  # (N,) running tokens, row-major
+        if seq == 1:  # decoding: one query per running row, no packing (valid=None)
+            rows, valid, allowed = b, None, keymask[b]
+        else:
+            rows = active.any(-1).nonzero().squeeze(-1)  # (R,) rows with a running token
+            counts = active[rows].sum(-1)
+            width = int(counts.max())
+            # queries packed per row, (R, width): the positions of its running tokens first, in order
+            order = torch.sort((~active[rows]).to(torch.uint8), dim=-1, stable=True).indices[:, :width]
+            valid = torch.arange(width, device=active.device) < counts[:, None]
+            allowed = keymask[rows].gather(1, order[..., None].expand(-1, -1, keymask.shape[-1])) | ~valid[..., None]
+        rope = tuple(x.expand(batch, seq, -1)[b, s] for x in position_embeddings)  # (N, head_dim) each
+        x = hidden_states[b, s]  # (N, D)
+        for layer_idx, layer in enumerate(self.layers):
+            attend = partial(self._attend_running, cache=cache, slot=offset + layer_idx, seq=seq, index=(b, s),
+                             rows=rows, valid=valid, allowed=allowed, rope=rope)
+            x = layer(x, attend=attend)
+        new = hidden_states.clone()
+        new[b, s] = self.norm(x)
+        return new
+
+    def _attend_running(self, attn, x, cache, slot, seq, index, rows, valid, allowed, rope):
+        """Attention of the running tokens ``x`` ``(N, D)`` (already normed) of a call of ``seq`` tokens: slot
+        ``slot`` gets the previous loop's latest keys and values of this call with the running tokens' replaced;
+        queries attend packed per row ``(R, width)`` (``valid``), or one per row when decoding (``valid=None``)."""
+        n, head_dim = x.shape[0], attn.head_dim
+        q = attn.q_proj(x).view(n, -1, head_dim)
+        k = attn.k_proj(x).view(n, -1, head_dim)
+        v = attn.v_proj(x).view(n, -1, head_dim)
+        q, k = apply_rotary_pos_emb(q, k, *rope, unsqueeze_dim=1)
+        latest = cache.layers[slot - len(self.layers)]  # this layer, previous loop: (B, H_kv, past + S, head_dim)
+        keys, values = latest.keys[:, :, -seq:].clone(), latest.values[:, :, -seq:].clone()
+        keys[index[0], :, index[1]] = k
+        values[index[0], :, index[1]] = v
+        keys, values = cache.update(keys, values, slot)
+        keys = repeat_kv(keys[rows], attn.num_key_value_groups)
+        values = repeat_kv(values[rows], attn.num_key_value_groups)
+        if valid is None:  # one query per row: (N, H, 1, head_dim)
+            out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=allowed[:, None],
+                                                 scale=attn.scaling)
+            return attn.o_proj(out.reshape(n, -1))
+        query = q.new_zeros(*valid.shape, *q.shape[1:])
+        query[valid] = q  # (R, width, H, head_dim)
+        out = F.scaled_dot_product_attention(query.transpose(1, 2), keys, values, attn_mask=allowed[:, None],
+                                             scale=attn.scaling)
+        return attn.o_proj(out.transpose(1, 2)[valid].reshape(n, -1))
+
     def loop_step(self, hidden_states, attention_mask=None, position_ids=None):
         """One uncached loop as a function of the state alone. The mask is built for the attention implementation
         active at call time, so a regularizer may switch to eager attention for double backward. A state holding
@@ -273,14 +466,27 @@ class OuroModel(OuroPreTrainedModel):
         inputs_embeds: Optional[torch.FloatTensor] = None,
         use_cache: Optional[bool] = None,
         total_ut_steps: Optional[int] = None,
+        exit_mode: Optional[str] = None,
+        exit_threshold: Optional[float] = None,
+        exit_tol: Optional[float] = None,
         **kwargs,
     ) -> OuroModelOutput:
+        r"""
+        Args:
+            total_ut_steps: loops for this call (default ``config.total_ut_steps``).
+            exit_mode, exit_threshold, exit_tol: the early exit of this call (defaults: ``config.early_exit_mode``,
+                ``early_exit_threshold``, ``early_exit_tol``). With ``"skip"`` at inference each token stops at the
+                first loop where its ``ExitRule`` fires; otherwise every loop runs for every token.
+        """
         reject_prefixed_keywords(kwargs, "fp", (), type(self).__name__, "Ouro has no fp_* settings: its per-call "
-                                 "knob is total_ut_steps=k (the loops of the layer stack).")
+                                 "knobs are total_ut_steps=k (the loops of the layer stack) and exit_mode, "
+                                 "exit_threshold, exit_tol (the early exit).")
         past_key_values = pop_cache(past_key_values, kwargs)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds.")
         loops = _resolve_loops(total_ut_steps, self.config)
+        mode, threshold, tol = _resolve_exit(exit_mode, exit_threshold, exit_tol, self.config)
+        skip = mode == "skip" and not self.training
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         use_cache = self.config.use_cache if use_cache is None else use_cache
@@ -290,30 +496,53 @@ class OuroModel(OuroPreTrainedModel):
             past_key_values = DynamicCache()
         if not use_cache:
             past_key_values = None
-        if past_key_values is not None:
-            self._prepare_cache(past_key_values, loops)
+        cache = past_key_values
+        if skip:  # the deeper slots of exited tokens are copied from the exit loop's: a working cache in any case
+            self._check_skip(cache, kwargs)
+            cache = DynamicCache() if cache is None else cache
+        if cache is not None:
+            self._prepare_cache(cache, loops)
+        past = cache.get_seq_length() if cache is not None else 0  # (a tensor for a static cache)
         if position_ids is None:
-            past = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past)[None]
         # Shared by all loops, as upstream: one mask, one set of rotary embeddings.
         if isinstance(attention_mask, dict):  # generate's prepared masks (static cache): one per attention type
             mask = attention_mask["full_attention"]
         else:
             mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                                      past_key_values=past_key_values, position_ids=position_ids)
+                                      past_key_values=cache, position_ids=position_ids)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
-        hidden_states, states, gates = inputs_embeds, [], []
-        for t in range(loops):
-            hidden_states = self.loop(hidden_states, mask, position_embeddings, past_key_values,
-                                      offset=t * self.config.num_hidden_layers, **kwargs)
-            states.append(hidden_states)
-            gates.append(self.early_exit_gate(hidden_states))
+        batch, seq = inputs_embeds.shape[:2]
+        exit_loop, ran = None, torch.full((batch, seq), loops, device=inputs_embeds.device)  # loops run per token
+        if skip:
+            keymask = running_key_mask(attention_mask, batch, seq, past, inputs_embeds.device)
+            states, gates, exit_loop = self._loops_with_exit(inputs_embeds, loops, mask, position_embeddings, cache,
+                                                             keymask, threshold, tol, **kwargs)
+            ran = exit_loop + 1
+        else:
+            hidden_states, states, gates = inputs_embeds, [], []
+            for t in range(loops):
+                hidden_states = self.loop(hidden_states, mask, position_embeddings, cache,
+                                          offset=t * self.config.num_hidden_layers, **kwargs)
+                states.append(hidden_states)
+                gates.append(self.early_exit_gate(hidden_states))
+        keys = cache.layers[0].keys.shape[-2] if cache is not None else seq  # attended positions (static: all)
+        flops = ran.to(torch.float32) * float(self.loop_flops(keys))
         loop_step = partial(self.loop_step, attention_mask=attention_mask, position_ids=position_ids)
         change = loop_change(states, attention_mask)
         self._guard_depth(loops, change)
-        return OuroModelOutput(last_hidden_state=hidden_states, **{CACHE_NAME: past_key_values},
+        return OuroModelOutput(last_hidden_state=states[-1], **{CACHE_NAME: past_key_values},
                                loop_hidden_states=tuple(states), gate_logits=torch.cat(gates, dim=-1),
-                               loop_step=loop_step, loop_change=change)
+                               loop_step=loop_step, loop_change=change, exit_loop=exit_loop, flops=flops)
+
+    def _check_skip(self, cache, kwargs) -> None:
+        """Refuse what ``exit_mode="skip"`` cannot serve: a cache other than a dynamic one, per-layer recording."""
+        require_dynamic_cache(cache, "Ouro with exit_mode='skip'", "the deeper cache entries of an exited token are "
+                              "copies of its exit loop's, written into growing per-(loop, layer) slots")
+        for name in ("output_hidden_states", "output_attentions"):
+            if kwargs.get(name, getattr(self.config, name, False)):
+                raise ValueError(f"{name}=True is not supported with exit_mode='skip' (the layers run on the running "
+                                 "tokens only); use exit_mode='select'.")
 
     def _guard_depth(self, loops: int, change: Optional[torch.Tensor]) -> None:
         """Warn once (``LoopDepthWarning``) when this call runs past the trained loop counts and the batch's mean
@@ -366,67 +595,110 @@ class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
         exit_at_step: Optional[int] = None,
         use_weighted_exit: bool = False,
         output_loop_logits: bool = False,
+        exit_mode: Optional[str] = None,
+        exit_tol: Optional[float] = None,
         **kwargs,
     ) -> OuroCausalLMOutput:
         r"""
         Args:
             labels: next-token targets (shifted inside); gives ``loss`` per ``config.exit_loss``.
             total_ut_steps: loops for this call (default ``config.total_ut_steps``).
-            exit_threshold: Q-exit threshold for this call (default ``config.early_exit_threshold``); each token
-                is decoded from the first loop whose cumulative exit probability reaches it, else the last loop.
+            exit_threshold: Q-exit threshold for this call (default ``config.early_exit_threshold``), in [0, 1]; each
+                token exits at the first loop whose cumulative exit probability reaches it, else at the last loop.
+            exit_tol: state-change exit for this call (default ``config.early_exit_tol``), >= 0: a token also exits
+                at the first loop (from the second on) whose relative state change is below it.
+            exit_mode: ``"select"`` (default ``config.early_exit_mode``; as upstream) runs every loop for every token
+                and decodes the exit loop; ``"skip"`` stops each token at its exit loop (inference only).
             exit_at_step: decode this loop (0-based) for every token (default ``config.early_exit_step``).
             use_weighted_exit: decode the exit-probability-weighted mixture of the per-loop logits.
             output_loop_logits: also return the logits of every loop.
 
         With labels, or in training mode, ``logits`` are those the training loss uses (``config.exit_loss``: the
-        exit-weighted mixture, or the last loop). Otherwise the decoding rule is, in order: ``exit_at_step``,
-        ``use_weighted_exit``, the threshold, the last loop. All loops are computed in every case (as upstream: the
-        exit selects, it does not save compute, which keeps the per-loop cache complete for the next tokens).
+        exit-weighted mixture, or the last loop), from every loop. Otherwise the decoding rule is, in order:
+        ``exit_at_step``, ``use_weighted_exit``, the exit rules (threshold, tolerance), the last loop. In ``"select"``
+        mode all loops are computed (the exit selects, as upstream); in ``"skip"`` mode a token's later loops are not
+        computed and its later cache slots hold copies of its exit loop's keys and values.
         """
         past_key_values = pop_cache(past_key_values, kwargs)
+        decoding = labels is None and not self.training
+        mode, threshold, tol = _resolve_exit(exit_mode, exit_threshold, exit_tol, self.config)
+        step = self.config.early_exit_step if exit_at_step is None else exit_at_step
+        if mode == "skip" and decoding and (step is not None or use_weighted_exit):
+            raise ValueError("exit_mode='skip' decodes each token at its exit loop; exit_at_step (or "
+                             "config.early_exit_step) and use_weighted_exit need every loop: use exit_mode='select'.")
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                         total_ut_steps=total_ut_steps, return_dict=True, **kwargs)
+                         total_ut_steps=total_ut_steps, exit_mode=mode if decoding else "select",
+                         exit_threshold=threshold, exit_tol=tol, return_dict=True, **kwargs)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         states = [h[:, keep] for h in out.loop_hidden_states]
         pdf = exit_distribution(out.gate_logits[:, keep])
-        loops = len(states)
-        need_all = output_loop_logits or labels is not None or self.training or use_weighted_exit
+        need_all = output_loop_logits or not decoding or use_weighted_exit
         loop_logits = [self.lm_head(h) for h in states] if need_all else None
-
-        def mixture():
-            return sum(pdf[..., t, None].to(loop_logits[t].dtype) * loop_logits[t] for t in range(loops))
-
-        loss = None
-        if labels is not None or self.training:
-            mode = self.config.exit_loss
-            logits = loop_logits[-1] if mode == "last" else mixture()
-            if labels is not None and mode == "expected_loss":
-                loss = self._expected_loss(loop_logits, pdf, labels)
-            elif labels is not None:
-                loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        loss, exit_loop = None, None
+        if not decoding:
+            logits, loss = self._training_logits(loop_logits, pdf, labels, **kwargs)
+        elif mode == "skip":  # the last state of an exited token is its exit state
+            logits = loop_logits[-1] if need_all else self.lm_head(states[-1])
+            exit_loop = out.exit_loop[:, keep]
         else:
-            step = self.config.early_exit_step if exit_at_step is None else exit_at_step
-            threshold = self.config.early_exit_threshold if exit_threshold is None else exit_threshold
-            if step is not None:
-                check_number(step, "exit_at_step", low=0, high=loops - 1, integer=True)
-                logits = loop_logits[step] if need_all else self.lm_head(states[step])
-            elif use_weighted_exit:
-                logits = mixture()
-            elif threshold is not None and loops > 1:
-                check_number(threshold, "exit_threshold", low=0.0, high=1.0)
-                reached = pdf.cumsum(dim=-1) >= threshold
-                index = torch.where(reached.any(-1), reached.float().argmax(-1), loops - 1)  # (B, S)
-                stacked = torch.stack(states, dim=-2)  # (B, S, T, D)
-                chosen = stacked.gather(-2, index[..., None, None].expand(*index.shape, 1, stacked.shape[-1]))
-                logits = self.lm_head(chosen.squeeze(-2))
-            else:
-                logits = loop_logits[-1] if need_all else self.lm_head(states[-1])
+            logits, exit_loop = self._select_logits(states, loop_logits, pdf, out.gate_logits[:, keep], step,
+                                                    use_weighted_exit, threshold, tol)
+        flops = out.flops.clone()
+        heads = len(states) if need_all else 1  # lm_head applications per decoded token
+        flops[:, keep] += float(heads * 2 * self.config.hidden_size * self.config.vocab_size)
+        if getattr(self, "_exit_trace", None) is not None:  # inside generate: per decoded token
+            self._exit_trace.append((exit_loop, flops[:, keep]))
         return OuroCausalLMOutput(loss=loss, logits=logits, **{CACHE_NAME: getattr(out, CACHE_NAME)},
                                   loop_hidden_states=out.loop_hidden_states, gate_logits=out.gate_logits,
                                   exit_pdf=pdf, loop_logits=tuple(loop_logits) if output_loop_logits else None,
                                   loop_step=out.loop_step, hidden_states=out.hidden_states,
-                                  attentions=out.attentions, loop_change=out.loop_change)
+                                  attentions=out.attentions, loop_change=out.loop_change, exit_loop=exit_loop,
+                                  flops=flops)
+
+    def _training_logits(self, loop_logits, pdf, labels, **kwargs):
+        """The logits and loss of ``config.exit_loss`` (loss None without labels)."""
+        mode = self.config.exit_loss
+        logits = loop_logits[-1] if mode == "last" else _mixture(loop_logits, pdf)
+        if labels is not None and mode == "expected_loss":
+            return logits, self._expected_loss(loop_logits, pdf, labels)
+        if labels is not None:
+            return logits, self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size,
+                                              **kwargs)
+        return logits, None
+
+    def _select_logits(self, states, loop_logits, pdf, gate_logits, step, use_weighted_exit, threshold, tol):
+        """``exit_mode="select"`` decoding: the logits and the decoded loop per token (None for the mixture)."""
+        loops = len(states)
+        if step is not None:
+            check_number(step, "exit_at_step", low=0, high=loops - 1, integer=True)
+            logits = loop_logits[step] if loop_logits is not None else self.lm_head(states[step])
+            return logits, torch.full(states[0].shape[:2], step, dtype=torch.long, device=states[0].device)
+        if use_weighted_exit:
+            return _mixture(loop_logits, pdf), None
+        if (threshold is not None or tol is not None) and loops > 1:
+            index = exit_loops(gate_logits, states, threshold, tol)  # (B, S)
+            stacked = torch.stack(states, dim=-2)  # (B, S, T, D)
+            chosen = stacked.gather(-2, index[..., None, None].expand(*index.shape, 1, stacked.shape[-1]))
+            return self.lm_head(chosen.squeeze(-2)), index
+        logits = loop_logits[-1] if loop_logits is not None else self.lm_head(states[-1])
+        return logits, torch.full(states[0].shape[:2], loops - 1, dtype=torch.long, device=states[0].device)
+
+    def generate(self, *args, **kwargs):
+        """``GenerationMixin.generate``. With ``return_dict_in_generate=True`` the result also carries, per
+        generated token (one column each, ``(B, new tokens)``), ``flops``: the FLOPs spent on the position that
+        produced it (the prompt's other positions are not included), and ``exit_loop``: the loop it was decoded
+        from (absent with ``use_weighted_exit``). For greedy search and sampling (beam search reorders rows)."""
+        self._exit_trace = []
+        try:
+            result = super().generate(*args, **kwargs)
+        finally:
+            trace, self._exit_trace = self._exit_trace, None
+        if isinstance(result, ModelOutput) and trace:
+            result["flops"] = torch.cat([f for _, f in trace], dim=1)
+            if all(e is not None for e, _ in trace):
+                result["exit_loop"] = torch.cat([e for e, _ in trace], dim=1)
+        return result
 
     def _expected_loss(self, loop_logits, pdf, labels):
         """Paper stage I: mean over target tokens of ``sum_t p_t * CE_t - entropy_weight * H(p)``."""
@@ -439,5 +711,5 @@ class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
         return (per_token * valid).sum() / valid.sum().clamp_min(1)
 
 
-__all__ = ["LoopDepthWarning", "OuroCausalLMOutput", "OuroForCausalLM", "OuroModel", "OuroModelOutput",
-           "OuroPreTrainedModel", "exit_distribution", "loop_change"]
+__all__ = ["ExitRule", "LoopDepthWarning", "OuroCausalLMOutput", "OuroForCausalLM", "OuroModel", "OuroModelOutput",
+           "OuroPreTrainedModel", "exit_distribution", "exit_loops", "loop_change"]

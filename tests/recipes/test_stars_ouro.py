@@ -136,6 +136,8 @@ def test_finetune_two_process_cpu_ddp(pretrained, tmp_path):
     (["--model", "x"], "--model and --dataset go together"),
     (["--eval_loops", "0,2"], "--eval_loops"),
     (["--max_steps", "0"], "--max_steps must be >= 1"),
+    (["--exit_loss", "mean"], "--exit_loss='mean': allowed values are expected_logits, expected_loss, last"),
+    (["--entropy_weight", "-1"], "--entropy_weight must be >= 0"),
 ])
 def test_bad_flags(flags, message):
     from recipes.stars_ouro import main

@@ -1,0 +1,180 @@
+"""Ouro's early exit that skips compute (``exit_mode="skip"``): the same tokens batched and alone, the full depth when
+no exit fires, the cache against a reference built by the documented rule (every token runs every loop; an exited
+token's state is frozen and its later cache entries are copies of its exit loop's), the reported exit loops and
+FLOPs, and bad input."""
+
+import pytest
+import torch
+from transformers import DynamicCache, StaticCache
+
+from hf_fixedpoint.modeling import OuroConfig, OuroForCausalLM
+from hf_fixedpoint.modeling.ouro.fp_compat import create_causal_mask
+from hf_fixedpoint.modeling.ouro.modeling_ouro import ExitRule
+
+TINY = {"vocab_size": 99, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 64, "total_ut_steps": 4, "pad_token_id": 0,
+        "loop_guard_tol": None}
+
+
+def _model(**overrides):
+    """A random model whose exit gate is sharpened: at threshold 0.6 its tokens exit at different loops."""
+    torch.manual_seed(0)
+    model = OuroForCausalLM(OuroConfig(**{**TINY, **overrides})).double().eval()
+    with torch.no_grad():
+        model.model.early_exit_gate.weight.mul_(6.0)
+    return model
+
+
+def _padded_batch():
+    """Three prompts of lengths 4, 7 and 5, left-padded to 7."""
+    torch.manual_seed(1)
+    prompts = [torch.randint(1, 99, (n,)) for n in (4, 7, 5)]
+    ids = torch.zeros(3, 7, dtype=torch.long)
+    mask = torch.zeros(3, 7, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, -len(prompt):], mask[row, -len(prompt):] = prompt, 1
+    return prompts, ids, mask
+
+
+@pytest.mark.parametrize("exit_kw", [{"exit_mode": "select", "exit_threshold": 0.6},
+                                     {"exit_mode": "skip", "exit_threshold": 0.6},
+                                     {"exit_mode": "skip", "exit_tol": 0.6}])
+def test_left_padded_batch_generates_the_tokens_of_each_prompt_alone(exit_kw):
+    model = _model()
+    prompts, ids, mask = _padded_batch()
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, return_dict_in_generate=True, **exit_kw)
+    with torch.no_grad():
+        batched = model.generate(ids, attention_mask=mask, **kw)
+        for row, prompt in enumerate(prompts):
+            alone = model.generate(prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long), **kw)
+            assert torch.equal(batched.sequences[row, 7:], alone.sequences[0, len(prompt):])
+            assert torch.equal(batched.exit_loop[row], alone.exit_loop[0])
+    if exit_kw["exit_mode"] == "skip":  # the exit fired for some tokens and not for others
+        assert (batched.exit_loop < 3).any() and (batched.exit_loop == 3).any()
+
+
+def test_a_threshold_that_never_fires_runs_the_full_depth_exactly():
+    model = _model()
+    _, ids, mask = _padded_batch()
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, exit_threshold=1.0, use_cache=True)
+        skip = model(ids, attention_mask=mask, exit_threshold=1.0, exit_mode="skip", use_cache=True)
+        assert torch.equal(skip.logits, full.logits)
+        assert (skip.exit_loop == 3).all() and torch.equal(skip.flops, full.flops)
+        for a, b in zip(skip.past_key_values.layers, full.past_key_values.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0, exit_threshold=1.0)
+        assert torch.equal(model.generate(ids, exit_mode="skip", **kw), model.generate(ids, **kw))
+
+
+class _RuleCache:
+    """The documented rule, written independently of the gathered computation: every token runs every loop, and a
+    write of an exited token's keys and values to slot ``(t, l)`` is replaced by its entries of slot ``(t - 1, l)``."""
+
+    def __init__(self, cache, num_layers, seq):
+        self.cache, self.num_layers, self.seq, self.exited = cache, num_layers, seq, None
+
+    def update(self, keys, values, slot, *args, **kwargs):
+        if self.exited is not None:
+            latest = self.cache.layers[slot - self.num_layers]
+            frozen = self.exited[:, None, :, None]
+            keys = torch.where(frozen, latest.keys[:, :, -self.seq:], keys)
+            values = torch.where(frozen, latest.values[:, :, -self.seq:], values)
+        return self.cache.update(keys, values, slot, *args, **kwargs)
+
+
+def _reference_step(model, ids, mask, position_ids, cache, threshold):
+    """One call under the rule: returns the last state (an exited token's is its exit state) and the exit loops."""
+    inner, loops, num_layers = model.model, model.config.total_ut_steps, model.config.num_hidden_layers
+    embeds = inner.embed_tokens(ids)
+    inner._prepare_cache(cache, loops)
+    causal = create_causal_mask(config=model.config, inputs_embeds=embeds, attention_mask=mask,
+                                past_key_values=cache, position_ids=position_ids)
+    rope = inner.rotary_emb(embeds, position_ids=position_ids)
+    rule, exit_rule = _RuleCache(cache, num_layers, ids.shape[1]), ExitRule(threshold)
+    state = embeds
+    exited = torch.zeros(ids.shape, dtype=torch.bool)
+    exit_loop = torch.full(ids.shape, loops - 1)
+    for t in range(loops):
+        rule.exited = exited if t else None
+        new = torch.where(exited[..., None], state, inner.loop(state, causal, rope, rule, offset=t * num_layers))
+        if t < loops - 1:
+            fired = ~exited & exit_rule(inner.early_exit_gate(new), state if t else None, new)
+            exit_loop[fired] = t
+            exited = exited | fired
+        state = new
+    return state, exit_loop
+
+
+def test_cache_and_outputs_equal_a_reference_built_by_the_rule_float64():
+    model = _model()
+    _, ids, mask = _padded_batch()
+    position_ids = (mask.cumsum(-1) - 1).clamp_min(0)
+    cache, reference = DynamicCache(), DynamicCache()
+    exits = []
+    with torch.no_grad():
+        for step in range(3):  # the prompt, then two decoding steps
+            out = model(ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache, use_cache=True,
+                        exit_mode="skip", exit_threshold=0.6)
+            state, exit_loop = _reference_step(model, ids, mask, position_ids, reference, 0.6)
+            valid = mask[:, -ids.shape[1]:].bool()
+            assert torch.equal(out.exit_loop[valid], exit_loop[valid])
+            torch.testing.assert_close(out.logits[valid], model.lm_head(state)[valid])
+            for ours, theirs in zip(cache.layers, reference.layers):  # padding positions are never attended
+                keep = mask.bool()[:, None, :, None]
+                for a, b in ((ours.keys, theirs.keys), (ours.values, theirs.values)):
+                    torch.testing.assert_close(torch.where(keep, a, 0.0), torch.where(keep, b, 0.0))
+            exits.append(exit_loop[valid])
+            ids = out.logits[:, -1:].argmax(-1)
+            mask = torch.cat([mask, torch.ones_like(ids)], dim=-1)
+            position_ids = position_ids[:, -1:] + 1
+    exits = torch.cat(exits)
+    assert (exits < 3).any() and (exits == 3).any() and len(set(exits.tolist())) >= 2
+
+
+def test_reported_flops_follow_the_loops_run():
+    model = _model()
+    _, ids, mask = _padded_batch()
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+              exit_threshold=0.6)
+    with torch.no_grad():
+        skip = model.generate(ids, exit_mode="skip", **kw)
+        full = model.generate(ids, **kw)
+    cfg, head = model.config, 2 * model.config.hidden_size * model.config.vocab_size
+    for step in range(4):
+        keys = 7 + step  # positions attended by the token of this step
+        expected = (skip.exit_loop[:, step] + 1).double() * model.model.loop_flops(keys) + head
+        torch.testing.assert_close(skip.flops[:, step].double(), expected)
+        torch.testing.assert_close(full.flops[:, step].double(),
+                                   torch.full((3,), cfg.total_ut_steps * model.model.loop_flops(keys) + head,
+                                              dtype=torch.float64))
+    assert (skip.flops < full.flops).any() and (skip.flops <= full.flops).all()
+
+
+def test_exit_settings_are_validated_and_load_time_overrides_apply(tmp_path):
+    model = _model()
+    ids = torch.randint(1, 99, (2, 5))
+    with pytest.raises(ValueError, match="exit_mode='fast' is not allowed. Allowed values: 'select', 'skip'"):
+        model(ids, exit_mode="fast")
+    with pytest.raises(ValueError, match=r"exit_threshold=1.5 is out of range; allowed values lie in \[0.0, 1.0\]"):
+        model(ids, exit_threshold=1.5, exit_mode="skip")
+    with pytest.raises(ValueError, match=r"exit_tol=-0.1 is out of range"):
+        model(ids, exit_tol=-0.1)
+    with pytest.raises(ValueError, match="early_exit_mode='fast' is not allowed"):
+        OuroConfig(**TINY, early_exit_mode="fast")
+    with pytest.raises(ValueError, match="early_exit_tol=-1 is out of range"):
+        OuroConfig(**TINY, early_exit_tol=-1)
+    with pytest.raises(ValueError, match="exit_at_step.*use exit_mode='select'"):
+        model(ids, exit_mode="skip", exit_at_step=1)
+    with pytest.raises(ValueError, match="needs a DynamicCache; got StaticCache"):
+        model(ids, exit_mode="skip", past_key_values=StaticCache(config=model.config, max_cache_len=8),
+              use_cache=True)
+    with pytest.raises(ValueError, match="output_hidden_states=True is not supported with exit_mode='skip'"):
+        model(ids, exit_mode="skip", output_hidden_states=True)
+    model.save_pretrained(tmp_path)
+    loaded = OuroForCausalLM.from_pretrained(tmp_path, early_exit_mode="skip", early_exit_threshold=0.6,
+                                             early_exit_tol=0.3).double().eval()
+    assert (loaded.config.early_exit_mode, loaded.config.early_exit_tol) == ("skip", 0.3)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids, exit_mode="skip", exit_threshold=0.6,
+                                                             exit_tol=0.3).logits)
