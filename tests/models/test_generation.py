@@ -38,6 +38,8 @@ FAMILIES = {
                                            "max_position_embeddings": 64, "total_ut_steps": 2, "pad_token_id": 0}),
     "self_llama": (SelfLlamaConfig, SelfLlamaForCausalLM, _SELF),
     "self_mistral": (SelfMistralConfig, SelfMistralForCausalLM, {**_SELF, "sliding_window": 4}),
+    # tokens halting on the change of their iterate (each token's heads stop together, a residual of its own)
+    "self_llama_state_halting": (SelfLlamaConfig, SelfLlamaForCausalLM, {**_SELF, "fpsa_halt_unit": "state"}),
 }
 GREEDY = {"do_sample": False, "pad_token_id": 0, "output_scores": True, "return_dict_in_generate": True}
 
