@@ -37,7 +37,8 @@ import time
 import torch
 from transformers import get_scheduler
 
-from hf_fixedpoint.core.fp_fpsa import HALT_UNITS, FPSAStats
+from hf_fixedpoint.core.fp_fpsa_settings import HALT_UNITS
+from hf_fixedpoint.core.fp_fpsa_stats import FPSAStats
 
 PROFILE = {"fp_tol": 1e-4, "fp_max_iter": 100, "fp_eval_max_iter": None}  # the paper's evaluation setting
 ONE_STEP = {"fp_max_iter": 1, "fp_eval_max_iter": None}

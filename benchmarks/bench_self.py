@@ -166,7 +166,7 @@ def timed_generate(model, batch, new_tokens, use_cache, **knobs):
 
 def iteration_stats(log):
     """(d): per decoding step, the mean iterations over layers and heads of the new token."""
-    from hf_fixedpoint.core.fp_fpsa import FPSAStats
+    from hf_fixedpoint.core.fp_fpsa_stats import FPSAStats
 
     steps = log[1:]  # log[0] is the prompt
     per_token = [s.summary()["fpsa_iter_mean"] for s in steps]

@@ -114,7 +114,7 @@ def self_table(lm, caps, tasks, *, tol: float | None = None, limit=None) -> list
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from hf_fixedpoint.core.fp_fpsa import FPSAStats
+    from hf_fixedpoint.core.fp_fpsa_stats import FPSAStats
     from hf_fixedpoint.eval.lm_harness import validate_fp_knobs
 
     caps = [int(c) for c in caps]

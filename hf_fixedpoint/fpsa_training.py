@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from hf_fixedpoint.checkpointing import Checkpointer, Preemption, staged_folder, verify
-from hf_fixedpoint.core.fp_fpsa import FPSAStats
+from hf_fixedpoint.core.fp_fpsa_stats import FPSAStats
 from hf_fixedpoint.hub import export
 from hf_fixedpoint.recipe_args import (
     RecipeArgs,

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, DataCollatorWithPadding, HfArgumentParser
 
 from hf_fixedpoint import fpsa_training
-from hf_fixedpoint.core.fp_fpsa import FPSAStats
+from hf_fixedpoint.core.fp_fpsa_stats import FPSAStats
 from hf_fixedpoint.eval.local_metrics import load_metric
 from hf_fixedpoint.modeling.fpsa_bert import FPSABertForQuestionAnswering
 from hf_fixedpoint.recipe_args import progress_bar

@@ -30,7 +30,7 @@ from transformers import HfArgumentParser, ViTImageProcessor
 from transformers.image_utils import PILImageResampling
 
 from hf_fixedpoint import fpsa_training
-from hf_fixedpoint.core.fp_fpsa import FPSAStats
+from hf_fixedpoint.core.fp_fpsa_stats import FPSAStats
 from hf_fixedpoint.modeling.fpsa_vit import FPSAViTConfig, FPSAViTForImageClassification
 from hf_fixedpoint.recipe_args import progress_bar
 

@@ -58,7 +58,7 @@ from transformers import (
 
 from hf_fixedpoint import fpsa_training
 from hf_fixedpoint.checkpointing import staged_folder
-from hf_fixedpoint.core.fp_fpsa import FPSAStats
+from hf_fixedpoint.core.fp_fpsa_stats import FPSAStats
 from hf_fixedpoint.core.fp_registry import check_number
 from hf_fixedpoint.hub import export
 from hf_fixedpoint.modeling import SelfLlamaForCausalLM, SelfMistralForCausalLM

@@ -8,7 +8,7 @@ names; the ``fp_*`` knobs (solver, ``fp_tol``, ``fp_max_iter``, backward mode...
 from transformers import BertConfig
 
 from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
-from .fp_fpsa import FPSA_FP_DEFAULTS, check_heads, pop_fpsa_kwargs, retrofit_config_dict
+from .fp_fpsa_settings import FPSA_FP_DEFAULTS, check_heads, pop_fpsa_kwargs, retrofit_config_dict
 from .fp_halting import ACTAccumulator  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_jacobian import jacobian_frobenius  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_registry import check_number, complete_auto_map  # noqa: F401  (see vendor.direct_import_problems)
@@ -28,7 +28,7 @@ class FPSABertConfig(FixedPointConfigMixin, BertConfig):
         fp_*: fixed-point settings (``fp_settings.FP_DEFAULTS``); FPSA defaults: ``fp_solver="picard"``,
             ``fp_tol=1e-3`` (relative change per token and head), ``fp_max_iter=16`` (counts the exact first step;
             ``fp_max_iter=1`` is the original BERT).
-        fpsa_*: FPSA settings (``fp_fpsa.FPSA_DEFAULTS``): ``fpsa_update`` (``residual_norm`` | ``plain``),
+        fpsa_*: FPSA settings (``fp_fpsa_settings.FPSA_DEFAULTS``): ``fpsa_update`` (``residual_norm`` | ``plain``),
             ``fpsa_step_norm`` (``none`` | ``tanh``), ``fpsa_learn_temperature``, ``fpsa_spectral_norm``
             (``none`` | ``qk`` | ``qko``), ``fpsa_adjoint_mask``, ``fpsa_halting`` (``tolerance`` | ``learned``),
             ``fpsa_ponder_budget``, ``fpsa_ponder_weight``, ``fpsa_halt_threshold``.

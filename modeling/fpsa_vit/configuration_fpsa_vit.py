@@ -1,13 +1,13 @@
 """Configuration of FPSA-ViT: a Vision Transformer whose self-attention layers are Fixed-Point Self-Attention loops.
 
 Every ``ViTConfig`` field keeps its meaning, so ViT checkpoints load; the ``fp_*`` and ``fpsa_*`` knobs are those of
-FPSA-BERT (see ``fp_fpsa.FPSA_DEFAULTS``).
+FPSA-BERT (see ``fp_fpsa_settings.FPSA_DEFAULTS``).
 """
 
 from transformers import ViTConfig
 
 from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
-from .fp_fpsa import FPSA_FP_DEFAULTS, check_heads, pop_fpsa_kwargs, retrofit_config_dict
+from .fp_fpsa_settings import FPSA_FP_DEFAULTS, check_heads, pop_fpsa_kwargs, retrofit_config_dict
 from .fp_halting import ACTAccumulator  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_jacobian import jacobian_frobenius  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_registry import check_number, complete_auto_map  # noqa: F401  (see vendor.direct_import_problems)
@@ -26,7 +26,7 @@ class FPSAViTConfig(FixedPointConfigMixin, ViTConfig):
             ``hidden_size``), ``intermediate_size``, ``image_size``, ``patch_size``, ...
         fp_*: fixed-point settings; FPSA defaults ``fp_solver="picard"``, ``fp_tol=1e-3``, ``fp_max_iter=16``
             (``fp_max_iter=1`` is the original ViT).
-        fpsa_*: FPSA settings (``fp_fpsa.FPSA_DEFAULTS``). In the pre-norm ViT the ``residual_norm`` iterate is
+        fpsa_*: FPSA settings (``fp_fpsa_settings.FPSA_DEFAULTS``). In the pre-norm ViT the ``residual_norm`` iterate is
             ``layernorm_before(h + W_O O)``: the layer's own input norm applied to the updated residual stream.
 
     Example:

@@ -26,15 +26,10 @@ from transformers.utils import can_return_tuple
 from .configuration_fpsa_vit import FPSAViTConfig
 from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_compat import attention_function, require_transformers
-from .fp_fpsa import (
-    FPSAHaltingGate,
-    FPSAHeadMixin,
-    FPSAStats,
-    FPSAStatsSink,
-    apply_spectral_norm,
-    fpsa_attention,
-    init_fpsa_weights,
-)
+from .fp_fpsa import FPSAHaltingGate, fpsa_attention
+from .fp_fpsa_layers import FPSAHeadMixin, apply_spectral_norm, init_fpsa_weights
+from .fp_fpsa_settings import FPSA_DEFAULTS  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_fpsa_stats import FPSAStats, FPSAStatsSink
 from .fp_halting import ACTAccumulator  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_jacobian import jacobian_frobenius  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_registry import check_number  # noqa: F401  (see vendor.direct_import_problems)

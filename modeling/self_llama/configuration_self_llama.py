@@ -8,7 +8,7 @@ form, step norm, temperature) are added on top.
 from transformers import LlamaConfig
 
 from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
-from .fp_fpsa import FPSA_FP_DEFAULTS, check_decoder_fpsa, check_heads, pop_fpsa_kwargs, retrofit_config_dict
+from .fp_fpsa_settings import FPSA_FP_DEFAULTS, check_decoder_fpsa, check_heads, pop_fpsa_kwargs, retrofit_config_dict
 from .fp_halting import ACTAccumulator  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_jacobian import jacobian_frobenius  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_registry import check_number, complete_auto_map  # noqa: F401  (see vendor.direct_import_problems)
@@ -30,7 +30,7 @@ class SelfLlamaConfig(FixedPointConfigMixin, LlamaConfig):
         fp_*: fixed-point settings (``fp_settings.FP_DEFAULTS``); FPSA defaults: ``fp_solver="picard"``,
             ``fp_tol=1e-3`` (relative change per token and head), ``fp_max_iter=16`` (counts the exact first step;
             ``fp_max_iter=1`` is the original LLaMA).
-        fpsa_*: FPSA settings (``fp_fpsa.FPSA_DEFAULTS``): ``fpsa_update`` (``residual_norm``: ``Z = norm(R + W_O O)``
+        fpsa_*: FPSA settings (``fp_fpsa_settings.FPSA_DEFAULTS``): ``fpsa_update`` (``residual_norm``: ``Z = norm(R + W_O O)``
             with the layer's input RMSNorm, or ``plain``), ``fpsa_step_norm`` (``none`` | ``tanh``),
             ``fpsa_learn_temperature`` (default False here: the retrofit has exactly the base model's parameters),
             ``fpsa_adjoint_mask``. ``fpsa_halting`` must be ``tolerance`` and ``fpsa_spectral_norm`` ``none``.

@@ -39,7 +39,10 @@ from transformers.utils.generic import can_return_tuple
 from .configuration_self_mistral import SelfMistralConfig
 from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_compat import CACHE_NAME, attention_function, pop_cache, require_dynamic_cache
-from .fp_fpsa import FPSAStats, FPSAStatsSink, fpsa_decoder_attention, init_fpsa_weights, with_jac_penalty
+from .fp_fpsa import fpsa_decoder_attention
+from .fp_fpsa_layers import init_fpsa_weights
+from .fp_fpsa_settings import FPSA_DEFAULTS  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_fpsa_stats import FPSAStats, FPSAStatsSink, with_jac_penalty
 from .fp_halting import ACTAccumulator  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_jacobian import jacobian_frobenius  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_registry import check_number  # noqa: F401  (see vendor.direct_import_problems)

@@ -10,13 +10,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.bert.modeling_bert import eager_attention_forward
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from hf_fixedpoint.core.fp_fpsa import (
-    FPSA_DEFAULTS,
-    FPSAHaltingGate,
-    FPSAStats,
-    fpsa_attention,
-    pop_fpsa_kwargs,
-)
+from hf_fixedpoint.core.fp_fpsa import FPSAHaltingGate, fpsa_attention
+from hf_fixedpoint.core.fp_fpsa_settings import FPSA_DEFAULTS, pop_fpsa_kwargs
+from hf_fixedpoint.core.fp_fpsa_stats import FPSAStats
 
 B, T, H, DH = 2, 5, 2, 4
 D = H * DH

@@ -15,7 +15,7 @@ pytest.importorskip("lm_eval")
 import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from hf_fixedpoint.core.fp_fpsa import FPSAStats  # noqa: E402
+from hf_fixedpoint.core.fp_fpsa_stats import FPSAStats  # noqa: E402
 from hf_fixedpoint.eval.runner import TASKS_DIR, evaluate_offline  # noqa: E402
 from hf_fixedpoint.eval.self_table import format_table, load_lm, main, self_table  # noqa: E402
 from hf_fixedpoint.modeling import SelfLlamaForCausalLM  # noqa: E402

@@ -28,7 +28,7 @@ from transformers import (  # noqa: E402
     BertTokenizerFast,
 )
 
-from hf_fixedpoint.core.fp_fpsa import FPSAStats  # noqa: E402
+from hf_fixedpoint.core.fp_fpsa_stats import FPSAStats
 from hf_fixedpoint.fpsa_training import default_bert_path  # noqa: E402
 from recipes import fpsa_glue, fpsa_squad, fpsa_vit  # noqa: E402
 

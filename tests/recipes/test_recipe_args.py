@@ -14,7 +14,7 @@ import torch
 from huggingface_hub import HfApi, ModelCard
 from huggingface_hub.utils import filter_repo_objects
 
-from hf_fixedpoint.core.fp_fpsa import FPSAStats
+from hf_fixedpoint.core.fp_fpsa_stats import FPSAStats
 from hf_fixedpoint.core.fp_stats import FixedPointStats
 from hf_fixedpoint.recipe_args import RecipeArgs, fp_scalars, report_trackers
 from tests.helpers import run_recipe, scalar_names

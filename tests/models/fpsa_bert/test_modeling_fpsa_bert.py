@@ -17,7 +17,7 @@ from transformers import (
     ViTModel,
 )
 
-from hf_fixedpoint.core.fp_fpsa import remove_spectral_norm
+from hf_fixedpoint.core.fp_fpsa_layers import remove_spectral_norm
 from hf_fixedpoint.hub import export
 from hf_fixedpoint.modeling import (
     FPSABertConfig,
