@@ -550,14 +550,15 @@ class _SolveLoop:
         """The one host sync of an iteration: the smallest residual among open rows (NaN propagates, so it is also
         the NaN check), and the rows the solver halted (None when none). Also tracks the best iterate: while every
         row's residual goes down, the newest image is the best one and a row that got worse shows up as -1 in the
-        same reduction; after the first such step the best iterate is updated every step instead."""
+        same reduction; after the first such step the best iterate is updated every step instead. Done rows keep a
+        best residual of +inf (``key``), so their frozen residuals never count as worse."""
         key = res if self.done is None else res.masked_fill(self.done, math.inf)
         red, lazy = key, False
         if self.opts.return_mode == "best":
             if self.best is None:
-                self.best, self.best_res = fz, res
+                self.best, self.best_res = fz, key
             elif self.eager_best:
-                self._update_best(res < self.best_res, fz, res)
+                self._update_best(res < self.best_res, fz, key)
             else:
                 better = res < self.best_res
                 if self.minus_one is None:
@@ -570,10 +571,10 @@ class _SolveLoop:
             lo, halt_any = torch.stack([red.amin(), halted.any().to(red.dtype)]).tolist()
         if lazy:
             if lo != -1.0:
-                self.best, self.best_res = fz, res
+                self.best, self.best_res = fz, key
             else:
                 self.eager_best = True
-                self._update_best(better, fz, res)
+                self._update_best(better, fz, key)
                 lo = key.amin().item()
         return lo, (halted if halt_any > 0 else None), key
 
@@ -600,7 +601,8 @@ class _SolveLoop:
         newly = key < opts.tol if k >= opts.min_iter else torch.zeros_like(key, dtype=torch.bool)
         if self.done is None:
             self.done, self.out, self.out_res = newly, fz, res
-            self.nstep = torch.where(newly, k, 0)
+            # k for every row: open rows get theirs when they finish or at the end (cheaper than a where)
+            self.nstep = torch.full_like(res, k, dtype=torch.long)
         else:
             self.out = torch.where(newly[:, None], fz, self.out)
             self.out_res = torch.where(newly, res, self.out_res)
@@ -621,7 +623,11 @@ class _SolveLoop:
         if self.gidx is not None:
             n_done += self.G - self.gidx.numel()
         self.all_done = n_done == self.G
-        return self.G - n_done <= opts.stop_fraction * self.G  # the fraction counts every entry, finished or not
+        stop = self.G - n_done <= opts.stop_fraction * self.G  # the fraction counts every entry, finished or not
+        if not stop and k < opts.max_iter and self.best_res is not None:
+            # A frozen row's later residuals must not count as "got worse" (that would switch to eager tracking).
+            self.best_res = self.best_res.masked_fill(self.done, math.inf)
+        return stop
 
     def _converged(self):
         return self.done if self.conv is None else self.conv
