@@ -395,30 +395,31 @@ def resolve_options(options: Optional[SolveOptions] = None, check: bool = True, 
     return opts
 
 
-def _residual(gz, fz, stop_mode, norm, row_size=1, row_mask=None, acc=None):
+def _residual(gz, fz, stop_mode, norm, row_size=1, row_mask=None, acc=None, eps=1e-9):
     """Per-entry residual of ``gz = f(z) - z`` (shape ``(entries, d)``). ``token_linf`` views each entry as rows of
     ``row_size`` (the tokens of a ``(..., T, D)`` state) and takes the largest per-row relative l-infinity residual:
     FPRM's ``max_t ||g_t||_inf / ||f_t||_inf``, where a token that changes a lot relative to its own size counts
     even if other tokens are larger (``linf`` divides by the largest entry of the whole state instead).
     ``row_mask`` (``(entries, rows)``, bool; ``token_linf`` only): the rows that count (e.g. not padding); an entry
-    with no counted row has residual 0. ``acc``: the accumulation dtype (default: ``gz``'s, at least float32)."""
+    with no counted row has residual 0. ``acc``: the accumulation dtype (default: ``gz``'s, at least float32).
+    ``eps``: the guard added to the denominator (a 0-dim tensor of dtype ``acc`` is a cheaper operand than a float)."""
     # At least float32: in float16 the squares of small entries underflow and 1e-9 rounds to 0, so a tiny row's
     # relative residual would be 0 / 0 = NaN (and be reported as a non-finite iterate).
     acc = torch.promote_types(gz.dtype, torch.float32) if acc is None else acc
     if norm == "token_linf" and stop_mode == "rel":
         rows = (gz.shape[0], -1, row_size)
-        per_row = gz.reshape(rows).abs().amax(-1).to(acc) / (fz.reshape(rows).abs().amax(-1).to(acc) + 1e-9)
+        per_row = gz.reshape(rows).abs().amax(-1).to(acc) / (fz.reshape(rows).abs().amax(-1).to(acc) + eps)
         if row_mask is not None:
             per_row = per_row.masked_fill(~row_mask.reshape(per_row.shape), 0.0)
         return per_row.amax(-1)
     if norm == "l2":
         if gz.dtype == acc:  # the dtype argument costs a dispatch of its own
             r = torch.linalg.vector_norm(gz, dim=1)
-            return r / (torch.linalg.vector_norm(fz, dim=1) + 1e-9) if stop_mode == "rel" else r
+            return r / (torch.linalg.vector_norm(fz, dim=1) + eps) if stop_mode == "rel" else r
         r = torch.linalg.vector_norm(gz, dim=1, dtype=acc)
-        return r / (torch.linalg.vector_norm(fz, dim=1, dtype=acc) + 1e-9) if stop_mode == "rel" else r
+        return r / (torch.linalg.vector_norm(fz, dim=1, dtype=acc) + eps) if stop_mode == "rel" else r
     r = gz.abs().amax(1).to(acc)
-    return r / (fz.abs().amax(1).to(acc) + 1e-9) if stop_mode == "rel" else r
+    return r / (fz.abs().amax(1).to(acc) + eps) if stop_mode == "rel" else r
 
 
 def solve(f: Callable, z0: torch.Tensor, *, args: Sequence = (), options: Optional[SolveOptions] = None,
@@ -485,6 +486,7 @@ class _SolveLoop:
         self.observe = getattr(self.algo, "observe", None)
         self.z = z0.detach().reshape(self.G, self.d)
         self.acc = torch.promote_types(z0.dtype, torch.float32)
+        self.eps = torch.full((), 1e-9, dtype=self.acc, device=z0.device)  # _residual's guard, as a tensor operand
         self.flat = tuple(shape) == (self.G, self.d)  # f takes the (rows, d) working state as it is
         self.done = self.conv = self.out = self.out_res = self.nstep = None
         self.frozen = None  # done[:, None], kept while done does not change
@@ -536,7 +538,7 @@ class _SolveLoop:
         if not self.flat:
             fz = fz.reshape(z.shape)
         gz = fz - z
-        res = _residual(gz, fz, self.opts.stop_mode, self.opts.norm, self.row_size, self.rmask, self.acc)
+        res = _residual(gz, fz, self.opts.stop_mode, self.opts.norm, self.row_size, self.rmask, self.acc, self.eps)
         if self.observe is not None:
             self.observe(res)
         if self.trace is not None:
