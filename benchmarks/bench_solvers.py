@@ -69,6 +69,7 @@ T1_OVERHEAD = 1.2  # our picard solve / bare loop
 T2_NFE = 40  # our Anderson NFE on case (c)
 T2_TIME = 0.5  # our Anderson / torchdeq's fastest solver on case (c)
 T3_TIME = 0.7  # per-sample stopping with compaction / batch-wide stopping
+T6_FIXED = 3.0  # solve of a converged input (1 evaluation) / one bare evaluation of f
 T4_FLAT = 1.1  # ift/phantom/one_step peak memory at 64 iterations / at 8
 T4_BPTT = 10.0  # bptt(64) / ift(64) peak memory
 T5_FP32 = 1e-4
@@ -304,6 +305,37 @@ def section_overhead(problems, reps):
                   f"ours picard best / torchdeq = {t['ours picard best'][0] / td:.2f}x")
         else:
             print("    note: torchdeq not installed; its row is skipped")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 1b. Per-call fixed cost: a solve whose input is already converged (one evaluation of f)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def section_fixed_cost(problems, reps):
+    print(f"\n## 1b. Per-call fixed cost: solve() of an input already at its fixed point (1 evaluation of f; B={B}, "
+          f"D={D}) vs one bare evaluation of f; times in ms (min, median of {reps})")
+    for name in ("a",):
+        p = problems[name]
+        f = p.f()
+        z_star, st = solve(f, torch.zeros(B, D), solver="picard", tol=TOL, max_iter=MAX_ITER)
+        z_star = f(z_star)  # one more step: the residual of z_star is far below the tolerance
+        calls = {"bare f(z)": lambda f_: f_(z_star)}
+        for s in ("picard", "anderson"):
+            for rm in ("best", "last"):
+                calls[f"ours {s} {rm}"] = lambda f_, s=s, rm=rm: solve(f_, z_star, solver=s, tol=TOL,
+                                                                       max_iter=MAX_ITER, return_mode=rm)
+        nfe = {k: nfe_of(c, f) for k, c in calls.items()}
+        t = bench({k: (lambda c=c: c(f)) for k, c in calls.items()}, reps * 4)
+        base = t["bare f(z)"]
+        print(f"  {CASE_LABEL[name]}")
+        print(f"    {'method':22s} {'NFE':>4s} {'min ms':>8s} {'med ms':>8s} {'ratio min':>9s} {'ratio med':>9s}")
+        for k in calls:
+            print(f"    {k:22s} {nfe[k]:4d} {fmt_ms(t[k])} {t[k][0] / base[0]:9.2f} {t[k][1] / base[1]:9.2f}")
+        for k in calls:
+            if k != "bare f(z)":
+                record("6 fixed cost", f"{name} {k[5:]} (converged input) / bare f (min)", t[k][0] / base[0], "<=",
+                       T6_FIXED, "{:.2f}x")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -650,6 +682,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer repeats (~2 min)")
     ap.add_argument("--profile", action="store_true", help="also count torch ops per solver iteration")
+    ap.add_argument("--sections", default="0,1,1b,2,3,4,5",
+                    help="comma-separated sections to run (default: all; P is --profile)")
     ap.add_argument("--mem-child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.mem_child is not None:
@@ -669,12 +703,23 @@ def main(argv=None):
         print(f"# note: torchdeq is not importable ({TORCHDEQ_ERROR}); install it with "
               "`pip install -c constraints.txt torchdeq==0.1.0` for the comparison rows. They are skipped.")
     problems = {k: make_problem(k) for k in CASES}
-    refs = section_problems(problems)
-    section_overhead(problems, reps_fast)
-    section_hard(problems["c"], refs["c"], reps_slow)
-    section_per_sample(reps_fast, dims=(D,) if a.quick else (D, 1024))
-    section_memory(mem_repeats)
-    section_gradients()
+    sections = set(a.sections.split(","))
+    unknown = sections - {"0", "1", "1b", "2", "3", "4", "5"}
+    if unknown:
+        raise ValueError(f"--sections has unknown entries {sorted(unknown)}; allowed: 0, 1, 1b, 2, 3, 4, 5.")
+    refs = section_problems(problems) if sections & {"0", "2"} else {}
+    if "1" in sections:
+        section_overhead(problems, reps_fast)
+    if "1b" in sections:
+        section_fixed_cost(problems, reps_fast)
+    if "2" in sections:
+        section_hard(problems["c"], refs["c"], reps_slow)
+    if "3" in sections:
+        section_per_sample(reps_fast, dims=(D,) if a.quick else (D, 1024))
+    if "4" in sections:
+        section_memory(mem_repeats)
+    if "5" in sections:
+        section_gradients()
     if a.profile:
         section_profile(problems["a"])
 

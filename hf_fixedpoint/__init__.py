@@ -1,11 +1,12 @@
 """hf-fixedpoint: fixed-point and looped models for the Hugging Face ecosystem.
 
-``import hf_fixedpoint`` registers every model family with the transformers Auto classes. It imports torch and
-transformers only; accelerate, peft, lm-eval and evaluate are imported by the modules that need them
-(``hf_fixedpoint.hub``, ``hf_fixedpoint.eval``).
+``import hf_fixedpoint`` makes every model family known to the transformers Auto classes by its ``model_type``; a
+family's code is imported on first use (``hf_fixedpoint.modeling``), so the import costs little more than
+``import torch, transformers`` (``python -m benchmarks.bench_import``). accelerate, peft, lm-eval and evaluate are
+imported by the modules that need them (``hf_fixedpoint.hub``, ``hf_fixedpoint.eval``).
 """
 
-from . import modeling  # noqa: F401  (registers the families with AutoConfig / AutoModel*)
+from . import modeling  # noqa: F401  (announces the families' model types to the Auto classes; loads none)
 from .core import (
     BACKWARDS,
     FP_DEFAULTS,

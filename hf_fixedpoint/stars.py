@@ -20,9 +20,9 @@ expected value is ``||J||_F^2 / n`` (a Hutchinson estimate: a scaled Frobenius p
 public code optimizes); more iterations approach ``rho(J)^2`` when the dominant eigenvalue is real and separated. Only
 the last product carries the graph used by the double backward.
 
-Any looped family works whose forward output carries ``loop_hidden_states`` (the state after each loop) and
-``loop_step`` (one loop as a function of the state), e.g. ``OuroForCausalLM``. For other models call ``jsrr(step,
-state)`` directly.
+Any looped family works whose forward output carries ``loop_hidden_states`` (the state after each loop) and whose model
+has ``loop_function(outputs)`` (one loop of that call as a function of the state), e.g. ``OuroForCausalLM``. For other
+models call ``jsrr(step, state)`` directly.
 
 Double backward through attention: PyTorch's fused SDPA kernels (CPU flash, CUDA flash / memory-efficient) have no
 second derivative, and the CPU flash kernel has no forward-mode AD. The regularizer pass therefore switches the model
@@ -119,11 +119,14 @@ class STARSRegularizer:
         return self.reg_weight > 0 and step >= self.warmup_steps
 
     def regularizer(self, model, outputs, step: int) -> torch.Tensor:
-        """JSRR at the chosen loop state of ``outputs`` (which must carry ``loop_hidden_states`` and ``loop_step``)."""
-        states, step_fn = getattr(outputs, "loop_hidden_states", None), getattr(outputs, "loop_step", None)
-        if not states or step_fn is None:
-            raise ValueError(f"{type(outputs).__name__} has no loop_hidden_states / loop_step: STARS needs a looped "
-                             "model whose forward returns them (e.g. OuroForCausalLM), or call jsrr(step, state).")
+        """JSRR at the chosen loop state of ``outputs`` (which must carry ``loop_hidden_states``; ``model`` must have
+        ``loop_function``)."""
+        states = getattr(outputs, "loop_hidden_states", None)
+        if not states or not hasattr(model, "loop_function"):
+            raise ValueError(f"{type(outputs).__name__} has no loop_hidden_states or {type(model).__name__} no "
+                             "loop_function: STARS needs a looped model that provides them (e.g. OuroForCausalLM), or "
+                             "call jsrr(step, state).")
+        step_fn = model.loop_function(outputs)
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         index = -1 if self.state == "last" else int(torch.randint(len(states), (), generator=g))
         state = states[index] if self.max_batch is None else states[index][: self.max_batch]

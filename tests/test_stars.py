@@ -79,7 +79,7 @@ def test_stars_loss_on_ouro_switches_to_eager_attention():
     # the same estimate by hand: one loop of the model at the detached last state
     with attention_implementation(model, "eager"):
         gen = torch.Generator().manual_seed(0)
-        by_hand = jsrr(out.loop_step, out.loop_hidden_states[-1], n_iter=2, generator=gen)
+        by_hand = jsrr(model.loop_function(out), out.loop_hidden_states[-1], n_iter=2, generator=gen)
     torch.testing.assert_close(reg, by_hand)
     torch.testing.assert_close(total, 0.75 * out.loss + 0.25 * reg)
     total.backward()  # double backward through attention
@@ -111,7 +111,7 @@ def test_warmup_random_state_and_jvp():
         reg = stars.regularizer(model, out, step)
         torch.testing.assert_close(reg, stars.regularizer(model, out, step))
         with attention_implementation(model, "eager"):
-            candidates = [jsrr(out.loop_step, h, product="jvp",
+            candidates = [jsrr(model.loop_function(out), h, product="jvp",
                                generator=torch.Generator().manual_seed(step)) for h in out.loop_hidden_states]
         matches = [i for i, c in enumerate(candidates) if torch.allclose(c, reg)]
         assert len(matches) == 1
@@ -129,7 +129,7 @@ def test_max_batch_linearizes_at_a_batch_prefix():
     sub = model(ids[:2], attention_mask=mask[:2])  # the same two sequences alone
     with attention_implementation(model, "eager"):
         gen = torch.Generator().manual_seed(7)
-        expected = jsrr(sub.loop_step, sub.loop_hidden_states[-1], n_iter=2, generator=gen)
+        expected = jsrr(model.loop_function(sub), sub.loop_hidden_states[-1], n_iter=2, generator=gen)
     torch.testing.assert_close(reg, expected)
     full = STARSRegularizer(n_iter=2).regularizer(model, out, step=7)
     assert not torch.allclose(reg, full)

@@ -19,6 +19,7 @@ tensors whose first dimension indexes entries, so the loop can drop finished row
 """
 
 import math
+from dataclasses import dataclass, fields, replace
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -290,73 +291,15 @@ def solver_kwargs_check(solver: str, kwargs: Optional[dict], argument: str = "so
     return kwargs
 
 
-def check_solve_args(*, solver, tol, stop_mode, norm, max_iter, min_iter, batch_dims, stop_fraction, return_mode,
-                     prefix=""):
-    """Validate the arguments shared by ``solve`` and the model configs; errors name ``prefix + argument``."""
-    SOLVERS.check(solver, prefix + "solver")
-    check_number(tol, prefix + "tol", low=0.0, low_open=True)
-    check_choice(stop_mode, prefix + "stop_mode", STOP_MODES)
-    check_choice(norm, prefix + "norm", NORMS)
-    check_number(max_iter, prefix + "max_iter", low=1, integer=True)
-    check_number(min_iter, prefix + "min_iter", low=0, integer=True)
-    if min_iter > max_iter:
-        raise ValueError(f"{prefix}min_iter={min_iter} must not exceed {prefix}max_iter={max_iter}.")
-    check_number(batch_dims, prefix + "batch_dims", low=1, integer=True)
-    check_number(stop_fraction, prefix + "stop_fraction", low=0.0, high=1.0, high_open=True)
-    check_choice(return_mode, prefix + "return_mode", RETURN_MODES)
+@dataclass(frozen=True)
+class SolveOptions:
+    """The options of a forward solve: how it iterates, when it stops and what it returns.
 
+    One object shared by ``solve``, ``fixed_point`` (and through it the backward modes), the config translation
+    (``fp_settings.solve_options``) and the statistics (``FixedPointStats.options``). ``solve(f, z0, tol=1e-6)`` is
+    shorthand for ``solve(f, z0, options=SolveOptions(tol=1e-6))``; keywords given with ``options`` replace its fields.
 
-def _residual(gz, fz, stop_mode, norm, row_size=1, row_mask=None):
-    """Per-entry residual of ``gz = f(z) - z`` (shape ``(entries, d)``). ``token_linf`` views each entry as rows of
-    ``row_size`` (the tokens of a ``(..., T, D)`` state) and takes the largest per-row relative l-infinity residual:
-    FPRM's ``max_t ||g_t||_inf / ||f_t||_inf``, where a token that changes a lot relative to its own size counts
-    even if other tokens are larger (``linf`` divides by the largest entry of the whole state instead).
-    ``row_mask`` (``(entries, rows)``, bool; ``token_linf`` only): the rows that count (e.g. not padding); an entry
-    with no counted row has residual 0."""
-    # At least float32: in float16 the squares of small entries underflow and 1e-9 rounds to 0, so a tiny row's
-    # relative residual would be 0 / 0 = NaN (and be reported as a non-finite iterate).
-    acc = torch.promote_types(gz.dtype, torch.float32)
-    if norm == "token_linf" and stop_mode == "rel":
-        rows = (gz.shape[0], -1, row_size)
-        per_row = gz.reshape(rows).abs().amax(-1).to(acc) / (fz.reshape(rows).abs().amax(-1).to(acc) + 1e-9)
-        if row_mask is not None:
-            per_row = per_row.masked_fill(~row_mask.reshape(per_row.shape), 0.0)
-        return per_row.amax(-1)
-    if norm == "l2":
-        r = torch.linalg.vector_norm(gz, dim=1, dtype=acc)
-        return r / (torch.linalg.vector_norm(fz, dim=1, dtype=acc) + 1e-9) if stop_mode == "rel" else r
-    r = gz.abs().amax(1).to(acc)
-    return r / (fz.abs().amax(1).to(acc) + 1e-9) if stop_mode == "rel" else r
-
-
-def solve(
-    f: Callable,
-    z0: torch.Tensor,
-    *,
-    args: Sequence = (),
-    solver: str = "anderson",
-    tol: float = 1e-4,
-    stop_mode: str = "rel",
-    norm: str = "l2",
-    max_iter: int = 50,
-    min_iter: int = 0,
-    batch_dims: int = 1,
-    stop_fraction: float = 0.0,
-    return_mode: str = "best",
-    compact: bool = False,
-    track_trace: bool = False,
-    solver_kwargs: Optional[dict] = None,
-    check: bool = True,
-    pass_active: bool = False,
-    row_mask: Optional[torch.Tensor] = None,
-    residual_fn: Optional[Callable] = None,
-):
-    """Solve ``z = f(z, *args)`` from ``z0`` without autograd; returns ``(z_star, FixedPointStats)``.
-
-    Args:
-        f: the map; called as ``f(z, *args)`` with ``z`` shaped like ``z0`` (fewer rows when ``compact``).
-        z0: initial iterate; its first ``batch_dims`` dims index independent entries.
-        args: extra inputs of ``f``; with ``compact`` their batch-sized tensors are sliced with ``z``.
+    Attributes:
         solver: a name in ``SOLVERS`` (``picard``, ``fpopt``, ``picard_adaptive``, ``anderson``, ``broyden``).
         tol: tolerance on the residual (> 0).
         stop_mode: ``rel`` (``||f(z) - z|| / ||f(z)||``) or ``abs`` (``||f(z) - z||``).
@@ -365,17 +308,130 @@ def solve(
             equals ``linf``).
         max_iter: cap on evaluations of ``f`` (>= 1).
         min_iter: no entry is declared converged before this many evaluations.
-        batch_dims: number of leading dims that index entries (convergence granularity).
+        batch_dims: number of leading dims of ``z0`` that index entries (convergence granularity).
         stop_fraction: stop the whole solve once at most this fraction of entries is unconverged (FPRM's training
             rule; FPSA's "exit when 80% converged" is 0.2). 0 waits for every entry.
         return_mode: for entries that did not converge, return the image of the iterate with the lowest residual
             (``best``) or of the last iterate (``last``). Converged entries return ``f`` of their converged iterate.
+        solver_kwargs: extra arguments of the solver (e.g. ``{"m": 5}`` for Anderson).
         compact: evaluate ``f`` only on unfinished samples (``f`` must be row-separable, see module docstring).
         track_trace: keep the residual of every iteration in ``stats.trace``.
-        solver_kwargs: extra arguments of the solver (e.g. ``{"m": 5}`` for Anderson).
         pass_active: call ``f(z, *args, active=mask)`` with ``mask`` the entries still iterating (a bool tensor shaped
             like the working rows' entries, ``(rows, *z0.shape[1:batch_dims])``; None while every entry is open), so
             that ``f`` can skip the work of converged entries: their values in its output are ignored.
+    """
+
+    solver: str = "anderson"
+    tol: float = 1e-4
+    stop_mode: str = "rel"
+    norm: str = "l2"
+    max_iter: int = 50
+    min_iter: int = 0
+    batch_dims: int = 1
+    stop_fraction: float = 0.0
+    return_mode: str = "best"
+    solver_kwargs: Optional[dict] = None
+    compact: bool = False
+    track_trace: bool = False
+    pass_active: bool = False
+
+    def check(self, prefix: str = "", names: Optional[dict] = None) -> "SolveOptions":
+        """Validate every option; returns the options with ``solver_kwargs`` checked against the solver.
+
+        Errors name the argument as ``names.get(field, prefix + field)`` (a config passes ``prefix="fp_"`` and
+        ``names={"return_mode": "fp_return"}``) and list the allowed values.
+        """
+        name = {f.name: (names or {}).get(f.name, prefix + f.name) for f in fields(self)}
+        SOLVERS.check(self.solver, name["solver"])
+        check_number(self.tol, name["tol"], low=0.0, low_open=True)
+        check_choice(self.stop_mode, name["stop_mode"], STOP_MODES)
+        check_choice(self.norm, name["norm"], NORMS)
+        check_number(self.max_iter, name["max_iter"], low=1, integer=True)
+        check_number(self.min_iter, name["min_iter"], low=0, integer=True)
+        if self.min_iter > self.max_iter:
+            raise ValueError(f"{name['min_iter']}={self.min_iter} must not exceed {name['max_iter']}={self.max_iter}.")
+        check_number(self.batch_dims, name["batch_dims"], low=1, integer=True)
+        check_number(self.stop_fraction, name["stop_fraction"], low=0.0, high=1.0, high_open=True)
+        check_choice(self.return_mode, name["return_mode"], RETURN_MODES)
+        kwargs = solver_kwargs_check(self.solver, self.solver_kwargs, name["solver_kwargs"])
+        return self if kwargs == (self.solver_kwargs or {}) else replace(self, solver_kwargs=kwargs)
+
+    def replace(self, **changes) -> "SolveOptions":
+        """A copy with ``changes`` applied; an unknown name is a ValueError listing the option names."""
+        if not changes:
+            return self
+        check_keywords(changes, OPTION_NAMES, "solve options", "SolveOptions")
+        return replace(self, **changes)
+
+
+OPTION_NAMES = tuple(f.name for f in fields(SolveOptions))
+
+
+_CHECKED = {}  # keyword changes -> validated SolveOptions (a solve per layer and token validates the same keywords)
+
+
+def resolve_options(options: Optional[SolveOptions] = None, check: bool = True, **changes) -> SolveOptions:
+    """``options`` (default ``SolveOptions()``) with keyword ``changes``, validated when ``check``."""
+    if options is not None:
+        opts = options.replace(**changes)
+        return opts.check() if check else opts
+    try:
+        key = tuple(sorted(changes.items())) if check else None
+        cached = _CHECKED.get(key)
+    except TypeError:  # an unhashable value (a solver_kwargs dict): not cached
+        key = cached = None
+    if cached is not None:
+        return cached
+    try:
+        opts = SolveOptions(**changes)
+    except TypeError:  # an unknown name: the same ValueError as replace() raises
+        check_keywords(changes, OPTION_NAMES, "solve options", "SolveOptions")
+        raise
+    if not check:
+        return opts
+    opts = opts.check()
+    if key is not None and len(_CHECKED) < 256:
+        _CHECKED[key] = opts
+    return opts
+
+
+def _residual(gz, fz, stop_mode, norm, row_size=1, row_mask=None, acc=None, eps=1e-9):
+    """Per-entry residual of ``gz = f(z) - z`` (shape ``(entries, d)``). ``token_linf`` views each entry as rows of
+    ``row_size`` (the tokens of a ``(..., T, D)`` state) and takes the largest per-row relative l-infinity residual:
+    FPRM's ``max_t ||g_t||_inf / ||f_t||_inf``, where a token that changes a lot relative to its own size counts
+    even if other tokens are larger (``linf`` divides by the largest entry of the whole state instead).
+    ``row_mask`` (``(entries, rows)``, bool; ``token_linf`` only): the rows that count (e.g. not padding); an entry
+    with no counted row has residual 0. ``acc``: the accumulation dtype (default: ``gz``'s, at least float32).
+    ``eps``: the guard added to the denominator (a 0-dim tensor of dtype ``acc`` is a cheaper operand than a float)."""
+    # At least float32: in float16 the squares of small entries underflow and 1e-9 rounds to 0, so a tiny row's
+    # relative residual would be 0 / 0 = NaN (and be reported as a non-finite iterate).
+    acc = torch.promote_types(gz.dtype, torch.float32) if acc is None else acc
+    if norm == "token_linf" and stop_mode == "rel":
+        rows = (gz.shape[0], -1, row_size)
+        per_row = gz.reshape(rows).abs().amax(-1).to(acc) / (fz.reshape(rows).abs().amax(-1).to(acc) + eps)
+        if row_mask is not None:
+            per_row = per_row.masked_fill(~row_mask.reshape(per_row.shape), 0.0)
+        return per_row.amax(-1)
+    if norm == "l2":
+        if gz.dtype == acc:  # the dtype argument costs a dispatch of its own
+            r = torch.linalg.vector_norm(gz, dim=1)
+            return r / (torch.linalg.vector_norm(fz, dim=1) + eps) if stop_mode == "rel" else r
+        r = torch.linalg.vector_norm(gz, dim=1, dtype=acc)
+        return r / (torch.linalg.vector_norm(fz, dim=1, dtype=acc) + eps) if stop_mode == "rel" else r
+    r = gz.abs().amax(1).to(acc)
+    return r / (fz.abs().amax(1).to(acc) + eps) if stop_mode == "rel" else r
+
+
+def solve(f: Callable, z0: torch.Tensor, *, args: Sequence = (), options: Optional[SolveOptions] = None,
+          row_mask: Optional[torch.Tensor] = None, residual_fn: Optional[Callable] = None, check: bool = True,
+          **option_changes):
+    """Solve ``z = f(z, *args)`` from ``z0`` without autograd; returns ``(z_star, FixedPointStats)``.
+
+    Args:
+        f: the map; called as ``f(z, *args)`` with ``z`` shaped like ``z0`` (fewer rows when ``compact``).
+        z0: initial iterate; its first ``batch_dims`` dims index independent entries.
+        args: extra inputs of ``f``; with ``compact`` their batch-sized tensors are sliced with ``z``.
+        options: a ``SolveOptions`` (default: ``SolveOptions()``).
         row_mask: with ``norm="token_linf"``, a bool tensor shaped ``z0.shape[:-1]``: the rows (tokens) whose
             residual counts; padding positions are left out this way (None: every row).
         residual_fn: a residual of the caller's own instead of ``tol``/``stop_mode``/``norm``'s:
@@ -383,178 +439,285 @@ def solve(
             rows of ``z0`` and ``args`` sliced with them (e.g. FPSA's relative change of the state its queries and
             keys are computed from, per token); an entry converges once it is below ``tol``. With ``pass_active`` it
             also gets ``active=`` (as ``f`` does); the residuals of finished entries are ignored.
+        check: validate the options (callers that validated them once, such as configs, pass False).
+        **option_changes: fields of ``SolveOptions`` (``solver``, ``tol``, ``stop_mode``, ``norm``, ``max_iter``,
+            ``min_iter``, ``batch_dims``, ``stop_fraction``, ``return_mode``, ``solver_kwargs``, ``compact``,
+            ``track_trace``, ``pass_active``) that replace those of ``options``.
 
     Raises:
         NonFiniteError: an iterate contains NaN or Inf (the message names the iteration and the samples).
+
+    Example:
+        >>> W = torch.randn(8, 8) * 0.1; x = torch.randn(4, 8)
+        >>> z, stats = solve(lambda z: torch.tanh(z @ W.T + x), torch.zeros(4, 8), solver="picard", tol=1e-6)
     """
-    if check:
-        check_solve_args(solver=solver, tol=tol, stop_mode=stop_mode, norm=norm, max_iter=max_iter,
-                         min_iter=min_iter, batch_dims=batch_dims, stop_fraction=stop_fraction,
-                         return_mode=return_mode)
-        solver_kwargs = solver_kwargs_check(solver, solver_kwargs)
-        if z0.dim() < batch_dims:
-            raise ValueError(f"batch_dims={batch_dims} needs z0 with at least that many dims, got {tuple(z0.shape)}.")
-    algo = SOLVERS.get(solver)(**(solver_kwargs or {}))
-    shape = z0.shape
-    B = shape[0]
-    G = math.prod(shape[:batch_dims])
-    entry_shape = shape[:batch_dims]
-    if G == 0 or z0.numel() == 0:
+    opts = resolve_options(options, check, **option_changes)
+    if z0.dim() < opts.batch_dims:
+        raise ValueError(f"batch_dims={opts.batch_dims} needs z0 with at least that many dims, got {tuple(z0.shape)}.")
+    if math.prod(z0.shape[:opts.batch_dims]) == 0 or z0.numel() == 0:
+        entry_shape = z0.shape[:opts.batch_dims]
         empty = torch.zeros(entry_shape, dtype=torch.long, device=z0.device)
         residual = z0.new_zeros(entry_shape, dtype=torch.promote_types(z0.dtype, torch.float32))
-        return z0.detach().clone(), FixedPointStats(empty, residual, empty.bool(), 0, solver, tol,
-                                                     stop_mode)
-    gps = G // B  # entries per sample
-    d = z0.numel() // G
-    row_size = shape[-1] if len(shape) > batch_dims else 1  # token_linf: the rows of an entry
-    rmask = None
-    if row_mask is not None:
-        if norm != "token_linf" or tuple(row_mask.shape) != tuple(shape[:-1]):
-            raise ValueError(f"row_mask must be a bool tensor of shape {tuple(shape[:-1])} (z0 without its last dim) "
-                             f"and needs norm='token_linf'; got shape {tuple(row_mask.shape)} with norm={norm!r}.")
-        rmask = row_mask.reshape(G, -1).bool()
-    track_best = return_mode == "best"
-    observe = getattr(algo, "observe", None)
-
+        return z0.detach().clone(), FixedPointStats(empty, residual, empty.bool(), 0, opts.solver, opts.tol,
+                                                     opts.stop_mode, options=opts)
     with torch.no_grad():
-        z = z0.detach().reshape(G, d)
-        # Working rows: every entry, or fewer once `compact` drops finished samples. `done` marks rows that converged
-        # or were halted; their results sit in out/out_res/nstep/conv and their state is frozen at `out`.
-        done = conv = out = out_res = nstep = None
-        best = best_res = None
-        gidx = None  # working row -> entry; None while the working set is every entry
-        results = None  # (out, res, nstep, conv) over all entries, once compaction drops rows
-        wshape, wargs, Bw = shape, tuple(args), B
-        trace = [] if track_trace else None
-        algo.init(z)
+        return _SolveLoop(f, z0, tuple(args), opts, row_mask, residual_fn).run()
+
+
+class _SolveLoop:
+    """The state of one ``solve``; ``run`` is the loop, the other methods its steps.
+
+    Working rows are every entry, or fewer once ``compact`` drops finished samples (``gidx`` maps them to entries;
+    ``results`` holds the dropped rows' results). ``done`` marks working rows that converged or were halted (None
+    while all are open): their results sit in ``out`` / ``out_res`` / ``nstep`` / ``conv`` and their state is frozen
+    at ``out``.
+    """
+
+    def __init__(self, f, z0, args, opts: SolveOptions, row_mask, residual_fn=None):
+        self.f, self.opts, self.args, self.residual_fn = f, opts, args, residual_fn
+        self.shape = shape = z0.shape
+        self.B = shape[0]
+        self.G = math.prod(shape[:opts.batch_dims])
+        self.gps = self.G // self.B  # entries per sample
+        self.d = z0.numel() // self.G
+        self.row_size = shape[-1] if len(shape) > opts.batch_dims else 1  # token_linf: the rows of an entry
+        self.rmask = None
+        if row_mask is not None:
+            if opts.norm != "token_linf" or tuple(row_mask.shape) != tuple(shape[:-1]):
+                raise ValueError(f"row_mask must be a bool tensor of shape {tuple(shape[:-1])} (z0 without its last "
+                                 f"dim) and needs norm='token_linf'; got shape {tuple(row_mask.shape)} with "
+                                 f"norm={opts.norm!r}.")
+            self.rmask = row_mask.reshape(self.G, -1).bool()
+        self.algo = SOLVERS.get(opts.solver)(**(opts.solver_kwargs or {}))
+        self.observe = getattr(self.algo, "observe", None)
+        self.z = z0.detach().reshape(self.G, self.d)
+        self.acc = torch.promote_types(z0.dtype, torch.float32)
+        self.eps = torch.full((), 1e-9, dtype=self.acc, device=z0.device)  # _residual's guard, as a tensor operand
+        self.flat = tuple(shape) == (self.G, self.d)  # f takes the (rows, d) working state as it is
+        self.done = self.conv = self.out = self.out_res = self.nstep = None
+        self.frozen = None  # done[:, None], kept while done does not change
+        self.best = self.best_res = None
+        # eager_best: set once some row's residual went up (then the best iterate is updated every step)
+        self.eager_best, self.minus_one = False, None
+        self.gidx = self.results = None
+        self.all_done = False  # set by _settle when every entry is done
+        self.wshape, self.wargs, self.Bw = shape, args, self.B
+        self.trace = [] if opts.track_trace else None
+        self.algo.init(self.z)
+
+    def run(self):
+        opts, algo = self.opts, self.algo
+        tol, min_iter, max_iter = opts.tol, opts.min_iter, opts.max_iter
         k = 0
         for k in range(1, max_iter + 1):
-            if pass_active:
-                active = None if done is None else (~done).view(wshape[:batch_dims])
-                fz = f(z.view(wshape), *wargs, active=active)
-            else:
-                fz = f(z.view(wshape), *wargs)
-            if fz.shape != wshape:
-                raise ValueError(f"f returned shape {tuple(fz.shape)} for an input of shape {tuple(wshape)}; "
-                                 "a fixed-point map must preserve the shape of its input.")
-            fz = fz.reshape(z.shape)
-            gz = fz - z
-            if residual_fn is None:
-                res = _residual(gz, fz, stop_mode, norm, row_size, rmask)
-            else:
-                extra = {"active": active} if pass_active else {}
-                res = residual_fn(fz.view(wshape), z.view(wshape), *wargs, **extra).reshape(-1)
-            if observe is not None:
-                observe(res)
-            if trace is not None:
-                row = z.new_full((G,), math.nan, dtype=res.dtype)
-                row[slice(None) if gidx is None else gidx] = res if done is None else res.masked_fill(done, math.nan)
-                trace.append(row)
-            # One host sync per iteration: the smallest residual among open rows (NaN propagates, so it is also the
-            # NaN check). With best-iterate tracking a row whose residual did not improve is encoded as -1, so the
-            # full best-iterate update runs only in iterations where some row got worse.
-            key = res if done is None else res.masked_fill(done, math.inf)
-            tracked = track_best and best is not None
-            if tracked:
-                key = torch.where(res < best_res, key, -1.0)
-            halted = algo.halted()
-            if halted is None:
-                lo, halt_any = key.amin().item(), 0.0
-            else:
-                lo, halt_any = torch.stack([key.amin(), halted.any().to(key.dtype)]).tolist()
-            if track_best:
-                if tracked and lo == -1.0:
-                    better = res < best_res
-                    best = torch.where(better[:, None], fz, best)
-                    best_res = torch.where(better, res, best_res)
-                    lo = (res if done is None else res.masked_fill(done, math.inf)).amin().item()
-                else:
-                    best, best_res = fz, res
-            if lo != lo:
-                bad_rows = (~torch.isfinite(res) if done is None else ~torch.isfinite(res) & ~done).nonzero()[:, 0]
-                ent = bad_rows if gidx is None else gidx[bad_rows]
-                bad = sorted({int(i) for i in (ent // gps).tolist()})
-                raise NonFiniteError(
-                    f"fixed-point solve ({solver}) produced NaN/Inf at iteration {k} for samples {bad[:20]}"
-                    f"{' ...' if len(bad) > 20 else ''} (of {B}). Lower the learning rate, add damping or a stability "
-                    f"regularizer, or check the inputs."
-                )
-            event = (lo < tol and k >= min_iter) or halt_any > 0
-            if event:
-                open_rows = torch.ones_like(res, dtype=torch.bool) if done is None else ~done
-                newly = open_rows & (res < tol) if k >= min_iter else torch.zeros_like(open_rows)
-                if done is None:
-                    done, conv, out, out_res = newly, newly, fz, res
-                    nstep = torch.zeros(res.shape, dtype=torch.long, device=res.device)
-                else:
-                    out = torch.where(newly[:, None], fz, out)
-                    out_res = torch.where(newly, res, out_res)
-                    conv, done = conv | newly, done | newly
-                nstep = torch.where(newly, k, nstep)
-                if halt_any > 0:
-                    newly_halted = halted & open_rows & ~newly
-                    src, src_res = (best, best_res) if track_best else (fz, res)
-                    out = torch.where(newly_halted[:, None], src, out)
-                    out_res = torch.where(newly_halted, src_res, out_res)
-                    nstep = torch.where(newly_halted, k, nstep)
-                    done = done | newly_halted
-                n_open = done.numel() - int(done.sum())
-                if n_open <= stop_fraction * G:  # the fraction counts every entry, finished or not
-                    break
+            fz, gz, res = self._evaluate()
+            lo, halted, key = self._reduce(res, fz)
+            if lo != lo:  # NaN propagates through the reduction
+                self._raise_nonfinite(res, k)
+            event = (lo < tol and k >= min_iter) or halted is not None
+            if event and self._settle(k, res, key, fz, halted):
+                break
             if k == max_iter:
                 break
-            z_next = algo.step(z, fz, gz, k)
-            z = z_next if done is None else torch.where(done[:, None], out, z_next)
-            if event and compact:
-                keep_s = (~done).view(Bw, gps).any(1)
-                if not bool(keep_s.all()):
-                    keep_s = keep_s.nonzero()[:, 0]
-                    rows = (keep_s[:, None] * gps + torch.arange(gps, device=z.device)).reshape(-1)
-                    if gidx is None:
-                        gidx = torch.arange(G, device=z.device)
-                        results = (z.new_empty(G, d), z.new_empty(G, dtype=res.dtype),
-                                   torch.zeros(G, dtype=torch.long, device=z.device),
-                                   torch.zeros(G, dtype=torch.bool, device=z.device))
-                    gone = torch.ones_like(done)
-                    gone[rows] = False
-                    gone = gone.nonzero()[:, 0]
-                    for buf, val in zip(results, (out, out_res, nstep, conv)):
-                        buf[gidx[gone]] = val[gone]
-                    z, done, conv, out, out_res, nstep, gidx = (
-                        t[rows] for t in (z, done, conv, out, out_res, nstep, gidx))
-                    if best is not None:
-                        best, best_res = best[rows], best_res[rows]
-                    algo.select(rows)
-                    rmask = None if rmask is None else rmask[rows]
-                    wargs = tuple(a[keep_s] if torch.is_tensor(a) and a.dim() > 0 and a.shape[0] == Bw else a
-                                  for a in wargs)
-                    Bw = keep_s.numel()
-                    wshape = (Bw,) + tuple(shape[1:])
-        # Rows still open when the loop ended did not converge: they return the best (or last) iterate's image.
-        src, src_res = (best, best_res) if track_best else (fz, res)
+            z_next = algo.step(self.z, fz, gz, k)
+            if self.done is not None:
+                if self.frozen is None:
+                    self.frozen = self.done[:, None]
+                z_next = torch.where(self.frozen, self.out, z_next)
+            self.z = z_next
+            if event and opts.compact:
+                self._compact()
+        return self._result(k, fz, res)
+
+    def _evaluate(self):
+        """One evaluation of ``f`` on the working rows: ``(f(z), f(z) - z, residual)``, all ``(rows, ...)``."""
+        z, wshape = self.z, self.wshape
+        zin = z if self.flat else z.view(wshape)
+        extra = {}
+        if self.opts.pass_active:
+            extra["active"] = None if self.done is None else (~self.done).view(wshape[:self.opts.batch_dims])
+        fz = self.f(zin, *self.wargs, **extra)
+        if fz.shape != wshape:
+            raise ValueError(f"f returned shape {tuple(fz.shape)} for an input of shape {tuple(wshape)}; "
+                             "a fixed-point map must preserve the shape of its input.")
+        if not self.flat:
+            fz = fz.reshape(z.shape)
+        gz = fz - z
+        if self.residual_fn is None:
+            res = _residual(gz, fz, self.opts.stop_mode, self.opts.norm, self.row_size, self.rmask, self.acc, self.eps)
+        else:
+            res = self.residual_fn(fz.view(wshape), z.view(wshape), *self.wargs, **extra).reshape(-1)
+        if self.observe is not None:
+            self.observe(res)
+        if self.trace is not None:
+            row = z.new_full((self.G,), math.nan, dtype=res.dtype)
+            row[slice(None) if self.gidx is None else self.gidx] = (
+                res if self.done is None else res.masked_fill(self.done, math.nan))
+            self.trace.append(row)
+        return fz, gz, res
+
+    def _reduce(self, res, fz):
+        """The one host sync of an iteration: the smallest residual among open rows (NaN propagates, so it is also
+        the NaN check), and the rows the solver halted (None when none). Also tracks the best iterate: while every
+        row's residual goes down, the newest image is the best one and a row that got worse shows up as -1 in the
+        same reduction; after the first such step the best iterate is updated every step instead. Done rows keep a
+        best residual of +inf (``key``), so their frozen residuals never count as worse."""
+        key = res if self.done is None else res.masked_fill(self.done, math.inf)
+        red, lazy = key, False
+        if self.opts.return_mode == "best":
+            if self.best is None:
+                self.best, self.best_res = fz, key
+            elif self.eager_best:
+                self._update_best(res < self.best_res, fz, key)
+            else:
+                better = res < self.best_res
+                if self.minus_one is None:
+                    self.minus_one = res.new_tensor(-1.0)  # a tensor operand is cheaper than a Python scalar
+                red, lazy = torch.where(better, key, self.minus_one), True
+        halted = self.algo.halted()
+        if halted is None:
+            lo, halt_any = red.amin().item(), 0.0
+        else:
+            lo, halt_any = torch.stack([red.amin(), halted.any().to(red.dtype)]).tolist()
+        if lazy:
+            if lo != -1.0:
+                self.best, self.best_res = fz, key
+            else:
+                self.eager_best = True
+                self._update_best(better, fz, key)
+                lo = key.amin().item()
+        return lo, (halted if halt_any > 0 else None), key
+
+    def _update_best(self, better, fz, res):
+        self.best = torch.where(better[:, None], fz, self.best)
+        self.best_res = torch.where(better, res, self.best_res)
+
+    def _raise_nonfinite(self, res, k):
+        bad_rows = (~torch.isfinite(res) if self.done is None else ~torch.isfinite(res) & ~self.done).nonzero()[:, 0]
+        ent = bad_rows if self.gidx is None else self.gidx[bad_rows]
+        bad = sorted({int(i) for i in (ent // self.gps).tolist()})
+        raise NonFiniteError(
+            f"fixed-point solve ({self.opts.solver}) produced NaN/Inf at iteration {k} for samples {bad[:20]}"
+            f"{' ...' if len(bad) > 20 else ''} (of {self.B}). Lower the learning rate, add damping or a stability "
+            f"regularizer, or check the inputs."
+        )
+
+    def _settle(self, k, res, key, fz, halted) -> bool:
+        """Freeze the rows that converged (or were halted) at step ``k``; True when the solve should stop.
+
+        ``key`` is ``res`` with done rows at +inf, so ``key < tol`` are the open rows that converged now. ``conv``
+        stays None (meaning: equal to ``done``) until the solver halts a row."""
+        opts = self.opts
+        newly = key < opts.tol if k >= opts.min_iter else torch.zeros_like(key, dtype=torch.bool)
+        if self.done is None:
+            self.done, self.out, self.out_res = newly, fz, res
+            # k for every row: open rows get theirs when they finish or at the end (cheaper than a where)
+            self.nstep = torch.full_like(res, k, dtype=torch.long)
+        else:
+            self.out = torch.where(newly[:, None], fz, self.out)
+            self.out_res = torch.where(newly, res, self.out_res)
+            self.nstep = self.nstep.masked_fill(newly, k)
+            self.done = self.done | newly
+            if self.conv is not None:
+                self.conv = self.conv | newly
+        if halted is not None:
+            newly_halted = halted & ~self.done
+            src, src_res = (self.best, self.best_res) if opts.return_mode == "best" else (fz, res)
+            self.out = torch.where(newly_halted[:, None], src, self.out)
+            self.out_res = torch.where(newly_halted, src_res, self.out_res)
+            self.nstep = self.nstep.masked_fill(newly_halted, k)
+            self.conv = self.done if self.conv is None else self.conv
+            self.done = self.done | newly_halted
+        self.frozen = None
+        n_done = int(self.done.sum())
+        if self.gidx is not None:
+            n_done += self.G - self.gidx.numel()
+        self.all_done = n_done == self.G
+        stop = self.G - n_done <= opts.stop_fraction * self.G  # the fraction counts every entry, finished or not
+        if not stop and k < opts.max_iter and self.best_res is not None:
+            # A frozen row's later residuals must not count as "got worse" (that would switch to eager tracking).
+            self.best_res = self.best_res.masked_fill(self.done, math.inf)
+        return stop
+
+    def _converged(self):
+        return self.done if self.conv is None else self.conv
+
+    def _compact(self):
+        """Drop the samples whose entries are all done from the working set, once they are at least a quarter of it:
+        a drop costs a few small ops per buffer, about one evaluation of f on a small problem, so dropping one
+        sample at a time as the slow ones finish costs more than it saves (bench_solvers section 3)."""
+        gps, done, Bw = self.gps, self.done, self.Bw
+        keep = (~done).view(Bw, gps).any(1)
+        n_gone = Bw - int(keep.sum())
+        if 4 * n_gone < Bw or n_gone == 0:
+            return
+        keep_s = keep.nonzero()[:, 0]
+        if gps == 1:
+            rows, gone = keep_s, (~keep).nonzero()[:, 0]
+        else:
+            rows = (keep_s[:, None] * gps + torch.arange(gps, device=done.device)).reshape(-1)
+            gone = torch.ones_like(done)
+            gone[rows] = False
+            gone = gone.nonzero()[:, 0]
+        if self.gidx is None:
+            z, res = self.z, self.out_res
+            self.gidx = torch.arange(self.G, device=z.device)
+            self.results = (z.new_empty(self.G, self.d), z.new_empty(self.G, dtype=res.dtype),
+                            torch.zeros(self.G, dtype=torch.long, device=z.device),
+                            torch.zeros(self.G, dtype=torch.bool, device=z.device))
+        for buf, val in zip(self.results, (self.out, self.out_res, self.nstep, self._converged())):
+            buf[self.gidx[gone]] = val[gone]
+        self.z, self.gidx = self.z[rows], self.gidx[rows]
+        if gps == 1:  # every kept row is open: the working set starts afresh
+            self.done = self.conv = self.out = self.out_res = self.nstep = None
+        else:
+            self.done, self.out, self.out_res, self.nstep = (
+                t[rows] for t in (self.done, self.out, self.out_res, self.nstep))
+            self.conv = None if self.conv is None else self.conv[rows]
+            self.frozen = None
+        if self.best is not None:
+            self.best, self.best_res = self.best[rows], self.best_res[rows]
+        self.algo.select(rows)
+        self.rmask = None if self.rmask is None else self.rmask[rows]
+        self.wargs = tuple(a[keep_s] if torch.is_tensor(a) and a.dim() > 0 and a.shape[0] == Bw else a
+                           for a in self.wargs)
+        self.Bw = keep_s.numel()
+        self.wshape = (self.Bw,) + tuple(self.shape[1:])
+
+    def _result(self, k, fz, res):
+        """Rows still open when the loop ended did not converge: they return the best (or last) iterate's image."""
+        opts = self.opts
+        src, src_res = (self.best, self.best_res) if opts.return_mode == "best" else (fz, res)
+        out, out_res, nstep, done = self.out, self.out_res, self.nstep, self.done
+        conv = None if done is None else self._converged()
         if done is None:
             out, out_res = src, src_res
             nstep = torch.full(res.shape, k, dtype=torch.long, device=res.device)
             conv = torch.zeros(res.shape, dtype=torch.bool, device=res.device)
-        elif not bool(done.all()):
+        elif not self.all_done:
             out = torch.where(done[:, None], out, src)
             out_res = torch.where(done, out_res, src_res)
             nstep = torch.where(done, nstep, k)
-        if gidx is not None:
-            for buf, val in zip(results, (out, out_res, nstep, conv)):
-                buf[gidx] = val
-            out, out_res, nstep, conv = results
+        if self.gidx is not None:
+            for buf, val in zip(self.results, (out, out_res, nstep, conv)):
+                buf[self.gidx] = val
+            out, out_res, nstep, conv = self.results
+        entry_shape = self.shape[:opts.batch_dims]
+        if opts.batch_dims > 1:  # a view costs about as much as a small op: only where the shape changes
+            nstep, out_res, conv = (t.view(entry_shape) for t in (nstep, out_res, conv))
         stats = FixedPointStats(
-            nstep=nstep.view(entry_shape),
-            residual=out_res.view(entry_shape),
-            converged=conv.view(entry_shape),
+            nstep=nstep,
+            residual=out_res,
+            converged=conv,
             nfe=k,
-            solver=solver,
-            tol=tol,
-            stop_mode=stop_mode,
-            trace=torch.stack(trace).view(-1, *entry_shape) if trace else None,
+            solver=opts.solver,
+            tol=opts.tol,
+            stop_mode=opts.stop_mode,
+            trace=torch.stack(self.trace).view(-1, *entry_shape) if self.trace else None,
+            options=opts,
         )
-        return out.view(shape), stats
+        return (out if self.flat else out.view(self.shape)), stats
 
 
-__all__ = ["NORMS", "RETURN_MODES", "SOLVERS", "STOP_MODES", "check_solve_args", "solve", "solver_kwargs_check"]
+__all__ = ["NORMS", "OPTION_NAMES", "RETURN_MODES", "SOLVERS", "STOP_MODES", "SolveOptions", "resolve_options",
+           "solve", "solver_kwargs_check"]

@@ -32,6 +32,7 @@ class FixedPointStats:
         solver: solver name; ``tol`` and ``stop_mode`` as used.
         trace: ``(n_iter, *entries)`` residual per iteration (NaN once an entry stopped), when asked for.
         backward: stats of the adjoint solve, filled in by the ``ift`` backward once it has run.
+        options: the ``fp_solvers.SolveOptions`` the solve ran with (None for statistics built outside ``solve``).
     """
 
     nstep: torch.Tensor
@@ -43,6 +44,7 @@ class FixedPointStats:
     stop_mode: str
     trace: Optional[torch.Tensor] = None
     backward: Optional["FixedPointStats"] = field(default=None, repr=False)
+    options: Optional[object] = field(default=None, repr=False)
 
     @property
     def all_converged(self) -> bool:

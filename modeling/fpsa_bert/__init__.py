@@ -17,3 +17,7 @@ __all__ = [
     "FPSABertModel",
     "FPSABertPreTrainedModel",
 ]
+
+from .. import register_family  # noqa: E402  (the Auto classes find this family from here on)
+
+register_family(__name__)

@@ -26,8 +26,9 @@ class FPSAViTConfig(FixedPointConfigMixin, ViTConfig):
             ``hidden_size``), ``intermediate_size``, ``image_size``, ``patch_size``, ...
         fp_*: fixed-point settings; FPSA defaults ``fp_solver="picard"``, ``fp_tol=1e-3``, ``fp_max_iter=16``
             (``fp_max_iter=1`` is the original ViT).
-        fpsa_*: FPSA settings (``fp_fpsa_settings.FPSA_DEFAULTS``). In the pre-norm ViT the ``residual_norm`` iterate is
-            ``layernorm_before(h + W_O O)``: the layer's own input norm applied to the updated residual stream.
+        fpsa_*: FPSA settings (``fp_fpsa_settings.FPSA_DEFAULTS``). In the pre-norm ViT the ``residual_norm``
+            iterate is ``layernorm_before(h + W_O O)``: the layer's own input norm applied to the updated residual
+            stream.
 
     Example:
         >>> config = FPSAViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,

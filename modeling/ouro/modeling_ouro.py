@@ -27,7 +27,7 @@ an error instead of a warning and a random initialization.
 import warnings
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -70,8 +70,10 @@ class OuroModelOutput(ModelOutput):
         loop_change: relative change of each sequence's state from one loop to the next, ``(B, T - 1)`` (float32 at
             least): ``||h_t - h_{t-1}|| / ||h_{t-1}||`` over the sequence's tokens of this call (padding excluded).
             A model that extrapolates in depth settles (the change shrinks towards 0); see ``config.loop_guard_tol``.
-        loop_step: one loop as a function of the state (``h -> norm(layers(h))``, same mask and positions, no
-            cache), for regularizers such as STARS' Jacobian penalty.
+        loop_attention_mask, loop_position_ids: the 2-D attention mask (None when not given as a tensor) and the
+            positions of this call: ``model.loop_function(outputs)`` is one loop of this call as a function of the
+            state, for regularizers such as STARS' Jacobian penalty (outputs hold tensors only, so they pickle, gather
+            and convert with ``to_tuple``).
         exit_loop: ``(B, S)`` 0-based loop at which each token stopped (``exit_mode="skip"``; the head also fills it
             with the decoded loop of the threshold / tolerance rule in ``"select"`` mode).
         flops: ``(B, S)`` float32, matrix-multiply FLOPs spent on each token in this call (multiply-add = 2): q/k/v/o
@@ -83,7 +85,8 @@ class OuroModelOutput(ModelOutput):
     past_key_values: Optional[Cache] = None
     loop_hidden_states: Optional[tuple] = None
     gate_logits: Optional[torch.FloatTensor] = None
-    loop_step: Optional[Callable] = None
+    loop_attention_mask: Optional[torch.Tensor] = None
+    loop_position_ids: Optional[torch.LongTensor] = None
     hidden_states: Optional[tuple] = None
     attentions: Optional[tuple] = None
     loop_change: Optional[torch.FloatTensor] = None
@@ -98,7 +101,8 @@ class OuroCausalLMOutput(ModelOutput):
     Attributes:
         loss: training loss (``config.exit_loss``) when ``labels`` are given.
         logits: decoded logits: the exit-weighted mixture when training, else the loop chosen by the exit rule.
-        past_key_values, loop_hidden_states, gate_logits, loop_step, loop_change: as in ``OuroModelOutput``.
+        past_key_values, loop_hidden_states, gate_logits, loop_attention_mask, loop_position_ids, loop_change: as in
+            ``OuroModelOutput``.
         exit_pdf: exit distribution over loops per token, ``(B, S, T)`` (at least float32).
         loop_logits: logits of every loop (tuple of ``T``) when ``output_loop_logits=True``.
         exit_loop, flops: as in ``OuroModelOutput``; ``flops`` includes the ``lm_head`` products.
@@ -111,7 +115,8 @@ class OuroCausalLMOutput(ModelOutput):
     gate_logits: Optional[torch.FloatTensor] = None
     exit_pdf: Optional[torch.FloatTensor] = None
     loop_logits: Optional[tuple] = None
-    loop_step: Optional[Callable] = None
+    loop_attention_mask: Optional[torch.Tensor] = None
+    loop_position_ids: Optional[torch.LongTensor] = None
     hidden_states: Optional[tuple] = None
     attentions: Optional[tuple] = None
     loop_change: Optional[torch.FloatTensor] = None
@@ -456,6 +461,11 @@ class OuroModel(OuroPreTrainedModel):
                                   past_key_values=None, position_ids=position_ids)
         return self.loop(hidden_states, mask, self.rotary_emb(hidden_states, position_ids=position_ids))
 
+    def loop_function(self, outputs):
+        """One loop of the call that returned ``outputs`` as a function of the state (its mask and positions)."""
+        return partial(self.loop_step, attention_mask=outputs.loop_attention_mask,
+                       position_ids=outputs.loop_position_ids)
+
     @capture_outputs
     def forward(
         self,
@@ -528,12 +538,13 @@ class OuroModel(OuroPreTrainedModel):
                 gates.append(self.early_exit_gate(hidden_states))
         keys = cache.layers[0].keys.shape[-2] if cache is not None else seq  # attended positions (static: all)
         flops = ran.to(torch.float32) * float(self.loop_flops(keys))
-        loop_step = partial(self.loop_step, attention_mask=attention_mask, position_ids=position_ids)
         change = loop_change(states, attention_mask)
         self._guard_depth(loops, change)
         return OuroModelOutput(last_hidden_state=states[-1], **{CACHE_NAME: past_key_values},
                                loop_hidden_states=tuple(states), gate_logits=torch.cat(gates, dim=-1),
-                               loop_step=loop_step, loop_change=change, exit_loop=exit_loop, flops=flops)
+                               loop_attention_mask=attention_mask if torch.is_tensor(attention_mask) else None,
+                               loop_position_ids=position_ids, loop_change=change, exit_loop=exit_loop,
+                               flops=flops)
 
     def _check_skip(self, cache, kwargs) -> None:
         """Refuse what ``exit_mode="skip"`` cannot serve: a cache other than a dynamic one, per-layer recording."""
@@ -578,6 +589,10 @@ class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
         self.model = OuroModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    def loop_function(self, outputs):
+        """One loop of the call that returned ``outputs`` as a function of the state (see ``OuroModel``)."""
+        return self.model.loop_function(outputs)
 
     @can_return_tuple
     def forward(
@@ -652,7 +667,8 @@ class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
         return OuroCausalLMOutput(loss=loss, logits=logits, **{CACHE_NAME: getattr(out, CACHE_NAME)},
                                   loop_hidden_states=out.loop_hidden_states, gate_logits=out.gate_logits,
                                   exit_pdf=pdf, loop_logits=tuple(loop_logits) if output_loop_logits else None,
-                                  loop_step=out.loop_step, hidden_states=out.hidden_states,
+                                  loop_attention_mask=out.loop_attention_mask,
+                                  loop_position_ids=out.loop_position_ids, hidden_states=out.hidden_states,
                                   attentions=out.attentions, loop_change=out.loop_change, exit_loop=exit_loop,
                                   flops=flops)
 

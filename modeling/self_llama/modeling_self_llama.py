@@ -97,28 +97,35 @@ class SelfLlamaAttention(LlamaAttention):
 class SelfLlamaDecoderLayer(LlamaDecoderLayer):
     """``LlamaDecoderLayer`` whose attention iterates ``Z = input_layernorm(R + W_O O)`` (same submodule names)."""
 
+    # Copied from transformers.models.llama.modeling_llama.LlamaDecoderLayer.__init__ with
+    #     super().__init__() -> GradientCheckpointingLayer.__init__(self)
+    #     LlamaAttention -> SelfLlamaAttention
     def __init__(self, config: SelfLlamaConfig, layer_idx: int):
-        GradientCheckpointingLayer.__init__(self)
+        GradientCheckpointingLayer.__init__(self)  # not LlamaDecoderLayer's: it would build a LlamaAttention
         self.hidden_size = config.hidden_size
         self.self_attn = SelfLlamaAttention(config=config, layer_idx=layer_idx)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
+    # Copied from transformers.models.llama.modeling_llama.LlamaDecoderLayer.forward with
+    #     use_cache=use_cache, -> use_cache=use_cache, fpsa_residual=residual, fpsa_norm=self.input_layernorm,
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
                 position_embeddings=None, **kwargs):
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, use_cache=use_cache, position_embeddings=position_embeddings,
-            fpsa_residual=residual, fpsa_norm=self.input_layernorm, **kwargs,
+            past_key_values=past_key_values, use_cache=use_cache,
+            fpsa_residual=residual, fpsa_norm=self.input_layernorm,  # main diff: the FPSA loop's residual and norm
+            position_embeddings=position_embeddings, **kwargs,
         )
         hidden_states = residual + hidden_states
         residual = hidden_states
         hidden_states = self.post_attention_layernorm(hidden_states)
         hidden_states = self.mlp(hidden_states)
-        return residual + hidden_states
+        hidden_states = residual + hidden_states
+        return hidden_states
 
 
 class SelfLlamaPreTrainedModel(LlamaPreTrainedModel):
@@ -153,12 +160,17 @@ class SelfLlamaCausalLMOutputWithPast(CausalLMOutputWithPast):
 class SelfLlamaModel(SelfLlamaPreTrainedModel, LlamaModel):
     """``LlamaModel`` with causal FPSA attention; ``forward`` takes ``fp_overrides`` and returns ``fp_stats``."""
 
+    # Copied from transformers.models.llama.modeling_llama.LlamaModel.__init__ with
+    #     super().__init__(config) -> LlamaPreTrainedModel.__init__(self, config)
+    #     LlamaDecoderLayer -> SelfLlamaDecoderLayer
     def __init__(self, config: SelfLlamaConfig):
-        LlamaPreTrainedModel.__init__(self, config)
+        LlamaPreTrainedModel.__init__(self, config)  # not LlamaModel's: it would build Llama layers
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
-        self.layers = nn.ModuleList([SelfLlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList(
+            [SelfLlamaDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
@@ -187,6 +199,9 @@ class SelfLlamaForCausalLM(SelfLlamaPreTrainedModel, LlamaForCausalLM):
     """``LlamaForCausalLM`` on ``SelfLlamaModel``. Per-call knobs: ``fp_max_iter``, ``fp_tol``, ``fp_overrides``;
     ``fp_stats_log`` (a list) receives the ``FPSAStats`` of each call, e.g. of every ``generate`` step."""
 
+    # Copied from transformers.models.llama.modeling_llama.LlamaForCausalLM.__init__ with
+    #     super().__init__(config) -> LlamaPreTrainedModel.__init__(self, config)
+    #     LlamaModel -> SelfLlamaModel
     def __init__(self, config: SelfLlamaConfig):
         LlamaPreTrainedModel.__init__(self, config)
         self.model = SelfLlamaModel(config)

@@ -30,10 +30,10 @@ class SelfMistralConfig(FixedPointConfigMixin, MistralConfig):
         fp_*: fixed-point settings (``fp_settings.FP_DEFAULTS``); FPSA defaults: ``fp_solver="picard"``,
             ``fp_tol=1e-3`` (relative change per token and head), ``fp_max_iter=16`` (counts the exact first step;
             ``fp_max_iter=1`` is the original Mistral).
-        fpsa_*: FPSA settings (``fp_fpsa_settings.FPSA_DEFAULTS``): ``fpsa_update`` (``residual_norm``: ``Z = norm(R + W_O O)``
-            with the layer's input RMSNorm, or ``plain``), ``fpsa_step_norm`` (``none`` | ``tanh``),
-            ``fpsa_learn_temperature`` (default False here: the retrofit has exactly the base model's parameters),
-            ``fpsa_adjoint_mask``. ``fpsa_halting`` must be ``tolerance`` and ``fpsa_spectral_norm`` ``none``.
+        fpsa_*: FPSA settings (``fp_fpsa_settings.FPSA_DEFAULTS``): ``fpsa_update`` (``residual_norm``:
+            ``Z = norm(R + W_O O)`` with the layer's input RMSNorm, or ``plain``), ``fpsa_step_norm`` (``none`` |
+            ``tanh``), ``fpsa_learn_temperature`` (default False here: the retrofit has exactly the base model's
+            parameters), ``fpsa_adjoint_mask``. ``fpsa_halting`` must be ``tolerance`` and ``fpsa_spectral_norm`` ``none``.
 
     Example:
         >>> config = SelfMistralConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,

@@ -16,7 +16,7 @@ import copy
 
 from .fp_backward import BACKWARDS
 from .fp_registry import CheckedConfigMixin, check_number, reject_prefixed_keywords
-from .fp_solvers import SOLVERS, check_solve_args, solver_kwargs_check
+from .fp_solvers import SOLVERS, SolveOptions, solver_kwargs_check
 
 FP_DEFAULTS = {
     "fp_solver": "anderson",  # forward solver: picard | fpopt | picard_adaptive | anderson | broyden
@@ -42,16 +42,13 @@ FP_DEFAULTS = {
 def check_fp_settings(settings: dict) -> None:
     """Validate a complete dict of ``fp_*`` settings; every error names the ``fp_*`` key and the allowed values."""
     s = settings
-    check_solve_args(solver=s["fp_solver"], tol=s["fp_tol"], stop_mode=s["fp_stop_mode"], norm=s["fp_norm"],
-                     max_iter=s["fp_max_iter"], min_iter=s["fp_min_iter"], batch_dims=1,
-                     stop_fraction=s["fp_stop_fraction"], return_mode=s["fp_return"], prefix="fp_")
+    _options(s, s["fp_max_iter"], s["fp_min_iter"]).check(prefix="fp_", names={"return_mode": "fp_return"})
     if s["fp_eval_max_iter"] is not None:
         check_number(s["fp_eval_max_iter"], "fp_eval_max_iter", low=1, integer=True)
         if s["fp_min_iter"] > s["fp_eval_max_iter"]:
             raise ValueError(
                 f"fp_min_iter={s['fp_min_iter']} must not exceed fp_eval_max_iter={s['fp_eval_max_iter']}."
             )
-    solver_kwargs_check(s["fp_solver"], s["fp_solver_kwargs"], "fp_solver_kwargs")
     BACKWARDS.check(s["fp_backward"], "fp_backward")
     SOLVERS.check(s["fp_backward_solver"], "fp_backward_solver")
     solver_kwargs_check(s["fp_backward_solver"], s["fp_backward_solver_kwargs"], "fp_backward_solver_kwargs")
@@ -100,10 +97,32 @@ def fp_settings(config, overrides: dict = None) -> dict:
     return settings
 
 
-def fixed_point_kwargs(config, training: bool, overrides: dict = None) -> dict:
-    """Keyword arguments for ``fixed_point`` from a config (``training`` picks the iteration cap)."""
-    s = fp_settings(config, overrides)
+def _options(s: dict, max_iter: int, min_iter: int) -> SolveOptions:
+    return SolveOptions(solver=s["fp_solver"], tol=s["fp_tol"], stop_mode=s["fp_stop_mode"], norm=s["fp_norm"],
+                        max_iter=max_iter, min_iter=min_iter, stop_fraction=s["fp_stop_fraction"],
+                        return_mode=s["fp_return"], solver_kwargs=s["fp_solver_kwargs"])
+
+
+def _run_options(s: dict, training: bool) -> SolveOptions:
     max_iter = s["fp_max_iter"] if training or s["fp_eval_max_iter"] is None else s["fp_eval_max_iter"]
+    return _options(s, max_iter, min(s["fp_min_iter"], max_iter))
+
+
+def solve_options(config, training: bool, overrides: dict = None) -> SolveOptions:
+    """The ``SolveOptions`` of a config's forward solve (``training`` picks the iteration cap)."""
+    return _run_options(fp_settings(config, overrides), training)
+
+
+# The options a config sets; the others (batch_dims, compact, ...) belong to the model that calls the solver.
+CONFIG_OPTIONS = ("solver", "solver_kwargs", "tol", "stop_mode", "norm", "max_iter", "min_iter", "stop_fraction",
+                  "return_mode")
+
+
+def fixed_point_kwargs(config, training: bool, overrides: dict = None) -> dict:
+    """Keyword arguments for ``fixed_point`` from a config: the ``CONFIG_OPTIONS`` fields of ``solve_options`` and
+    the backward mode with its options."""
+    s = fp_settings(config, overrides)
+    opts = _run_options(s, training)
     backward = s["fp_backward"]
     if backward == "ift":
         bkw = {"solver": s["fp_backward_solver"], "tol": s["fp_backward_tol"], "max_iter": s["fp_backward_max_iter"],
@@ -112,19 +131,7 @@ def fixed_point_kwargs(config, training: bool, overrides: dict = None) -> dict:
         bkw = {"steps": s["fp_backward_steps"], "damping": s["fp_backward_damping"]}
     else:
         bkw = {}
-    return {
-        "solver": s["fp_solver"],
-        "solver_kwargs": s["fp_solver_kwargs"],
-        "tol": s["fp_tol"],
-        "stop_mode": s["fp_stop_mode"],
-        "norm": s["fp_norm"],
-        "max_iter": max_iter,
-        "min_iter": min(s["fp_min_iter"], max_iter),
-        "stop_fraction": s["fp_stop_fraction"],
-        "return_mode": s["fp_return"],
-        "backward": backward,
-        "backward_kwargs": bkw,
-    }
+    return {**{name: getattr(opts, name) for name in CONFIG_OPTIONS}, "backward": backward, "backward_kwargs": bkw}
 
 
 def call_knobs(config, kwargs: dict, where: str, fp_overrides: dict = None, fp_max_iter: int = None,
@@ -182,6 +189,7 @@ class FixedPointConfigMixin(CheckedConfigMixin):
 
 
 __all__ = [
+    "CONFIG_OPTIONS",
     "FP_DEFAULTS",
     "FixedPointConfigMixin",
     "call_knobs",
@@ -190,4 +198,5 @@ __all__ = [
     "fp_settings",
     "pop_fp_kwargs",
     "reject_unknown_knobs",
+    "solve_options",
 ]

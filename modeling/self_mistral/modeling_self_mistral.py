@@ -100,28 +100,35 @@ class SelfMistralAttention(MistralAttention):
 class SelfMistralDecoderLayer(MistralDecoderLayer):
     """``MistralDecoderLayer`` whose attention iterates ``Z = input_layernorm(R + W_O O)`` (same submodule names)."""
 
+    # Copied from transformers.models.mistral.modeling_mistral.MistralDecoderLayer.__init__ with
+    #     super().__init__() -> GradientCheckpointingLayer.__init__(self)
+    #     MistralAttention -> SelfMistralAttention
     def __init__(self, config: SelfMistralConfig, layer_idx: int):
-        GradientCheckpointingLayer.__init__(self)
+        GradientCheckpointingLayer.__init__(self)  # not MistralDecoderLayer's: it would build a MistralAttention
         self.hidden_size = config.hidden_size
         self.self_attn = SelfMistralAttention(config=config, layer_idx=layer_idx)
         self.mlp = MistralMLP(config)
         self.input_layernorm = MistralRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = MistralRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
+    # Copied from transformers.models.mistral.modeling_mistral.MistralDecoderLayer.forward with
+    #     use_cache=use_cache, -> use_cache=use_cache, fpsa_residual=residual, fpsa_norm=self.input_layernorm,
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
                 position_embeddings=None, **kwargs):
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, use_cache=use_cache, position_embeddings=position_embeddings,
-            fpsa_residual=residual, fpsa_norm=self.input_layernorm, **kwargs,
+            past_key_values=past_key_values, use_cache=use_cache,
+            fpsa_residual=residual, fpsa_norm=self.input_layernorm,  # main diff: the FPSA loop's residual and norm
+            position_embeddings=position_embeddings, **kwargs,
         )
         hidden_states = residual + hidden_states
         residual = hidden_states
         hidden_states = self.post_attention_layernorm(hidden_states)
         hidden_states = self.mlp(hidden_states)
-        return residual + hidden_states
+        hidden_states = residual + hidden_states
+        return hidden_states
 
 
 class SelfMistralPreTrainedModel(MistralPreTrainedModel):
@@ -156,12 +163,17 @@ class SelfMistralCausalLMOutputWithPast(CausalLMOutputWithPast):
 class SelfMistralModel(SelfMistralPreTrainedModel, MistralModel):
     """``MistralModel`` with causal FPSA attention; ``forward`` takes ``fp_overrides`` and returns ``fp_stats``."""
 
+    # Copied from transformers.models.mistral.modeling_mistral.MistralModel.__init__ with
+    #     super().__init__(config) -> MistralPreTrainedModel.__init__(self, config)
+    #     MistralDecoderLayer -> SelfMistralDecoderLayer
     def __init__(self, config: SelfMistralConfig):
-        MistralPreTrainedModel.__init__(self, config)
+        MistralPreTrainedModel.__init__(self, config)  # not MistralModel's: it would build Mistral layers
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
-        self.layers = nn.ModuleList([SelfMistralDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList(
+            [SelfMistralDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
         self.norm = MistralRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = MistralRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
@@ -190,6 +202,9 @@ class SelfMistralForCausalLM(SelfMistralPreTrainedModel, MistralForCausalLM):
     """``MistralForCausalLM`` on ``SelfMistralModel``. Per-call knobs: ``fp_max_iter``, ``fp_tol``, ``fp_overrides``;
     ``fp_stats_log`` (a list) receives the ``FPSAStats`` of each call, e.g. of every ``generate`` step."""
 
+    # Copied from transformers.models.mistral.modeling_mistral.MistralForCausalLM.__init__ with
+    #     super().__init__(config) -> MistralPreTrainedModel.__init__(self, config)
+    #     MistralModel -> SelfMistralModel
     def __init__(self, config: SelfMistralConfig):
         MistralPreTrainedModel.__init__(self, config)
         self.model = SelfMistralModel(config)

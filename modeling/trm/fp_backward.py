@@ -26,7 +26,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .fp_registry import Registry, check_keywords, check_number, keyword_options
-from .fp_solvers import solve, solver_kwargs_check
+from .fp_solvers import SolveOptions, resolve_options, solve, solver_kwargs_check
 from .fp_stats import FixedPointWarning
 
 BACKWARDS = Registry("backward mode")
@@ -36,8 +36,8 @@ class _ImplicitGrad(torch.autograd.Function):
     """Identity on ``z*`` in the forward; in the backward, solves the adjoint system and sends ``u`` into ``f(z*)``."""
 
     @staticmethod
-    def forward(ctx, z_star, fz_star, f, options, stats, mask):
-        ctx.f, ctx.options, ctx.stats, ctx.mask = f, options, stats, mask
+    def forward(ctx, z_star, fz_star, f, options, clip, stats, mask):
+        ctx.f, ctx.options, ctx.clip, ctx.stats, ctx.mask = f, options, clip, stats, mask
         # The backward re-evaluates f; it must see the autocast state of the forward (bf16 activations with fp32
         # weights otherwise meet in one matmul and fail).
         device = z_star.device.type
@@ -55,7 +55,7 @@ class _ImplicitGrad(torch.autograd.Function):
             fh = ctx.f(h)
         mask = ctx.mask
 
-        clip = ctx.options["clip"]
+        clip = ctx.clip
 
         def adjoint_map(u):
             (jtu,) = torch.autograd.grad(fh, h, u.to(fh.dtype), retain_graph=True)
@@ -68,22 +68,20 @@ class _ImplicitGrad(torch.autograd.Function):
             return grad + (jtu if mask is None else mask * jtu)
 
         opts = ctx.options
-        u, bstats = solve(adjoint_map, grad, solver=opts["solver"], tol=opts["tol"], stop_mode="rel",
-                          max_iter=opts["max_iter"], solver_kwargs=opts["solver_kwargs"], return_mode="last",
-                          check=False)
+        u, bstats = solve(adjoint_map, grad, options=opts, check=False)
         if ctx.stats is not None:
             ctx.stats.backward = bstats
         if not bool(bstats.converged.all()):
             # A constant message, so Python's default filter shows it once per call site instead of every step;
             # the numbers are in stats.backward.
             warnings.warn(
-                f"implicit backward: the adjoint solve ({opts['solver']}) did not reach rel tol {opts['tol']:g} "
-                f"within {opts['max_iter']} steps for some samples; gradients are approximate (see stats.backward). "
+                f"implicit backward: the adjoint solve ({opts.solver}) did not reach rel tol {opts.tol:g} "
+                f"within {opts.max_iter} steps for some samples; gradients are approximate (see stats.backward). "
                 f"Raise fp_backward_max_iter, use another fp_backward_solver, or regularize the Jacobian.",
                 FixedPointWarning,
                 stacklevel=2,
             )
-        return None, u, None, None, None, None
+        return None, u, None, None, None, None, None
 
 
 def _straight_through(z_star, z_grad):
@@ -100,19 +98,16 @@ def _picard_unroll(f, z, steps, damping):
 @BACKWARDS.register("ift")
 def ift(f, z0, z_star, stats, *, solver="anderson", tol=None, max_iter=None, solver_kwargs=None, mask=None,
         clip=None, _forward=None):
-    """Implicit differentiation; defaults: forward tolerance and cap, Anderson adjoint.
+    """Implicit differentiation; defaults: forward tolerance and cap (``_forward``, the forward ``SolveOptions``),
+    Anderson adjoint.
 
     ``clip`` (adjoint gradient clipping, as in the Attractor models' code): inside the adjoint map, rescale ``J^T u``
     per sample so that ``||J^T u|| <= clip * ||u||``; with ``clip < 1`` the adjoint iteration stays a contraction even
     when training has pushed ``f`` towards a non-contractive regime. ``None`` (default) leaves ``J^T u`` unchanged.
     """
-    options = {
-        "solver": solver,
-        "tol": _forward["tol"] if tol is None else tol,
-        "max_iter": _forward["max_iter"] if max_iter is None else max_iter,
-        "solver_kwargs": solver_kwargs or {},
-        "clip": clip,
-    }
+    options = SolveOptions(solver=solver, tol=_forward.tol if tol is None else tol, stop_mode="rel",
+                           max_iter=_forward.max_iter if max_iter is None else max_iter,
+                           solver_kwargs=solver_kwargs or None, return_mode="last")
     fz = f(z_star)
     if not fz.requires_grad:
         return z_star
@@ -120,7 +115,7 @@ def ift(f, z0, z_star, stats, *, solver="anderson", tol=None, max_iter=None, sol
         mask = stats.converged
     if mask is not None:
         mask = mask.to(z_star.dtype).reshape(mask.shape + (1,) * (z_star.dim() - mask.dim()))
-    return _ImplicitGrad.apply(z_star, fz, f, options, stats, mask)
+    return _ImplicitGrad.apply(z_star, fz, f, options, clip, stats, mask)
 
 
 @BACKWARDS.register("phantom")
@@ -170,38 +165,17 @@ def backward_kwargs_check(backward: str, kwargs: Optional[dict], argument: str =
     return kwargs
 
 
-def fixed_point(
-    f: Callable,
-    z0: torch.Tensor,
-    *,
-    args: Sequence = (),
-    solver: str = "anderson",
-    tol: float = 1e-4,
-    stop_mode: str = "rel",
-    norm: str = "l2",
-    max_iter: int = 50,
-    min_iter: int = 0,
-    batch_dims: int = 1,
-    stop_fraction: float = 0.0,
-    return_mode: str = "best",
-    compact: bool = False,
-    track_trace: bool = False,
-    solver_kwargs: Optional[dict] = None,
-    backward: str = "ift",
-    backward_kwargs: Optional[dict] = None,
-    check: bool = True,
-    pass_active: bool = False,
-    row_mask: Optional[torch.Tensor] = None,
-    residual_fn: Optional[Callable] = None,
-):
+def fixed_point(f: Callable, z0: torch.Tensor, *, args: Sequence = (), options: Optional[SolveOptions] = None,
+                backward: str = "ift", backward_kwargs: Optional[dict] = None, row_mask: Optional[torch.Tensor] = None,
+                residual_fn: Optional[Callable] = None, check: bool = True, **option_changes):
     """Find ``z* = f(z*, *args)`` and make it differentiable with respect to everything ``f`` uses.
 
     Args:
         f: the map, called as ``f(z, *args)``; it may close over parameters and tensors.
         z0: initial iterate. The first ``batch_dims`` dims index entries whose convergence is judged separately.
-        args, solver, tol, stop_mode, norm, max_iter, min_iter, batch_dims, stop_fraction, return_mode, compact,
-            track_trace, solver_kwargs, pass_active, row_mask, residual_fn: see ``fp_solvers.solve`` (the backward
-            calls ``f`` without ``active``).
+        args, options, row_mask, residual_fn, check, **option_changes: see ``fp_solvers.solve``; the solve options
+            (``solver``, ``tol``, ``max_iter``, ...) are the fields of ``fp_solvers.SolveOptions`` (the backward calls
+            ``f`` without ``active``).
         backward: ``ift`` (default), ``phantom``, ``one_step`` or ``bptt`` (see the module docstring).
         backward_kwargs: options of the backward mode: ``ift``: ``solver``, ``tol``, ``max_iter``,
             ``solver_kwargs``, ``mask``, ``clip``; ``phantom``: ``steps``, ``damping``; ``bptt``: ``steps``,
@@ -215,20 +189,16 @@ def fixed_point(
         >>> z, stats = fixed_point(lambda z: torch.tanh(z @ W.T + x), torch.zeros(4, 8))
         >>> z.sum().backward()   # implicit gradient into x
     """
-    if check:  # solve() validates its own arguments
+    opts = resolve_options(options, check, **option_changes)
+    if check:
         backward_kwargs = backward_kwargs_check(backward, backward_kwargs)
-    z_star, stats = solve(f, z0, args=args, solver=solver, tol=tol, stop_mode=stop_mode, norm=norm,
-                          max_iter=max_iter, min_iter=min_iter, batch_dims=batch_dims, stop_fraction=stop_fraction,
-                          return_mode=return_mode, compact=compact, track_trace=track_trace,
-                          solver_kwargs=solver_kwargs, check=check, pass_active=pass_active,
-                          row_mask=row_mask, residual_fn=residual_fn)
+    z_star, stats = solve(f, z0, args=args, options=opts, row_mask=row_mask, residual_fn=residual_fn, check=False)
     if not torch.is_grad_enabled():
         return z_star, stats
     args = tuple(args)
     fn = (lambda z: f(z, *args)) if args else f
     mode = BACKWARDS.get(backward)
-    z_out = mode(fn, z0, z_star, stats, **(backward_kwargs or {}),
-                 _forward={"tol": tol, "max_iter": max_iter})
+    z_out = mode(fn, z0, z_star, stats, **(backward_kwargs or {}), _forward=opts)
     return z_out, stats
 
 

@@ -4,6 +4,7 @@ cache, the exit rules and the losses, and bad input."""
 
 import json
 import math
+import pickle
 
 import pytest
 import torch
@@ -376,8 +377,27 @@ def test_loop_step_is_one_loop():
     model, ids, mask = _model_and_inputs()
     with torch.no_grad():
         out = model(ids, attention_mask=mask)
-        nxt = out.loop_step(out.loop_hidden_states[0])
+        nxt = model.loop_function(out)(out.loop_hidden_states[0])
     torch.testing.assert_close(nxt[mask.bool()], out.loop_hidden_states[1][mask.bool()])
+
+
+def test_outputs_hold_tensors_only_so_they_pickle_and_convert_to_tuples():
+    model, ids, mask = _model_and_inputs()
+    with torch.no_grad():
+        outs = [model(ids, attention_mask=mask, labels=ids, use_cache=False),
+                model.model(ids, attention_mask=mask, use_cache=False)]
+    for out in outs:
+        for value in out.to_tuple():
+            items = value if isinstance(value, tuple) else (value,)
+            assert all(torch.is_tensor(v) for v in items), (type(out).__name__, type(value).__name__)
+        back = pickle.loads(pickle.dumps(out))
+        assert back.keys() == out.keys()
+        assert all(torch.equal(torch.as_tensor(a), torch.as_tensor(b)) for a, b in zip(
+            (v for t in back.to_tuple() for v in (t if isinstance(t, tuple) else (t,))),
+            (v for t in out.to_tuple() for v in (t if isinstance(t, tuple) else (t,)))))
+        with torch.no_grad():  # the unpickled output still gives the call's loop
+            nxt = model.loop_function(back)(back.loop_hidden_states[0])
+        torch.testing.assert_close(nxt[mask.bool()], out.loop_hidden_states[1][mask.bool()])
 
 
 # ---- depth guard (issue 16, section 2) --------------------------------------------------------------------------
