@@ -33,7 +33,8 @@ class SelfLlamaConfig(FixedPointConfigMixin, LlamaConfig):
         fpsa_*: FPSA settings (``fp_fpsa_settings.FPSA_DEFAULTS``): ``fpsa_update`` (``residual_norm``:
             ``Z = norm(R + W_O O)`` with the layer's input RMSNorm, or ``plain``), ``fpsa_step_norm`` (``none`` |
             ``tanh``), ``fpsa_learn_temperature`` (default False here: the retrofit has exactly the base model's
-            parameters), ``fpsa_adjoint_mask``. ``fpsa_halting`` must be ``tolerance`` and ``fpsa_spectral_norm`` ``none``.
+            parameters), ``fpsa_adjoint_mask``. ``fpsa_halting`` must be ``tolerance`` and ``fpsa_spectral_norm``
+            ``none``.
 
     Example:
         >>> config = SelfLlamaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
