@@ -172,7 +172,9 @@ def test_verify_rejects_solver_missing_from_vendored_registry():
     from hf_fixedpoint.modeling.deq_lm.fp_solvers import SOLVERS
 
     model = tiny_model()
-    model.config.fp_solver = "newton"  # bypasses the config's own validation
+    with pytest.raises(ValueError, match="fp_solver='newton' is not a known solver"):
+        model.config.fp_solver = "newton"  # an assignment is checked
+    model.config.__dict__["fp_solver"] = "newton"  # bypasses the config's own validation
     with pytest.raises(ValueError, match="fp_solver='newton'") as info:
         hub.verify_self_contained(model)
     assert all(repr(name) in str(info.value) for name in SOLVERS.names())
