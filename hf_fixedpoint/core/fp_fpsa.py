@@ -39,6 +39,7 @@ compute budget. Its gradient is backprop through the (short) loop.
 """
 
 import math
+from dataclasses import dataclass, fields, replace
 from typing import Callable, Optional
 
 import torch
@@ -85,6 +86,106 @@ def _attention_entropy(weights: torch.Tensor) -> torch.Tensor:
     return (ent / math.log(max(weights.shape[-1], 2))).transpose(1, 2)
 
 
+@dataclass(frozen=True)
+class FPSAOptions:
+    """How one FPSA layer call iterates, halts, regularises and what it returns (``fpsa_attention``'s options; a
+    model builds them from its ``fpsa_*`` settings). Every field is validated; errors name the ``fpsa_*`` setting.
+
+    Attributes:
+        update, step_norm: the iterate's form (``residual_norm`` | ``plain``) and step (``none`` | ``tanh``); see the
+            module docstring.
+        dropout: attention dropout of the exact first step; the inner iterations are deterministic so that the map
+            has a fixed point.
+        adjoint_mask: ``ift`` backward: keep the implicit term only for converged entries.
+        return_weights: also return the attention weights at the fixed point (one extra evaluation).
+        halting: ``tolerance`` or ``learned`` (FPSA-LH; needs ``fpsa_attention``'s ``halting_gate``);
+            ``halt_threshold``: learned halting's ACT threshold.
+        halt_unit: what converges and halts as one entry with ``halting="tolerance"``: ``head`` (each (token, head)
+            pair, on the relative change of its own output), ``token`` (the relative Frobenius change of all the
+            token's head outputs) or ``state`` (each token on the relative change of its iterate ``Z``, what its next
+            queries and keys are computed from: the official code's rule). Counts are reported per (token, head).
+        return_state: also return the final iterate ``Z`` (``x`` when only the exact first step ran), e.g. for the
+            keys a KV cache stores.
+        jac_penalty: when gradients are enabled and the loop runs, also return the differentiable Jacobian penalty of
+            the map at the fixed point (``jac_norm``: ``frobenius`` or ``spectral`` with ``jac_target``; see
+            ``_jacobian_penalty``), which ``fpsa_jac_weight`` adds to the loss to train the map to contract.
+    """
+
+    update: str = "residual_norm"
+    step_norm: str = "none"
+    dropout: float = 0.0
+    adjoint_mask: bool = True
+    return_weights: bool = False
+    halting: str = "tolerance"
+    halt_threshold: float = 0.99
+    halt_unit: str = "head"
+    return_state: bool = False
+    jac_penalty: bool = False
+    jac_norm: str = "frobenius"
+    jac_target: float = 0.2
+
+    def __post_init__(self):
+        for name, allowed in (("update", UPDATE_FORMS), ("step_norm", STEP_NORMS), ("halting", HALTING_MODES),
+                              ("halt_unit", HALT_UNITS), ("jac_norm", JAC_NORMS)):
+            check_choice(getattr(self, name), "fpsa_" + name, allowed)
+
+    @classmethod
+    def from_config(cls, config, **changes) -> "FPSAOptions":
+        """The options a model's ``fpsa_*`` settings give (the penalty on when ``fpsa_jac_weight > 0``), with
+        per-call ``changes`` (``dropout``, ``return_weights``, ...)."""
+        base = cls(update=config.fpsa_update, step_norm=config.fpsa_step_norm, adjoint_mask=config.fpsa_adjoint_mask,
+                   halting=config.fpsa_halting, halt_threshold=config.fpsa_halt_threshold,
+                   halt_unit=config.fpsa_halt_unit, jac_penalty=config.fpsa_jac_weight > 0,
+                   jac_norm=config.fpsa_jac_norm, jac_target=config.fpsa_jac_target)
+        return cls.resolve(base, **changes)
+
+    @classmethod
+    def resolve(cls, options: Optional["FPSAOptions"] = None, **changes) -> "FPSAOptions":
+        """``options`` (default ``FPSAOptions()``) with keyword ``changes``; an unknown name is a ValueError."""
+        unknown = set(changes) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"Unknown FPSA option(s) {sorted(unknown)}; allowed: {[f.name for f in fields(cls)]}.")
+        return replace(options or cls(), **changes)
+
+
+class _LayerMap:
+    """The FPSA map of one layer call: the iterate ``state(O)``, the temperature-scaled attention and one step."""
+
+    def __init__(self, module, query, key, out_proj, norm, attention_fn, scaling, attention_kwargs, log_temperature,
+                 options: FPSAOptions, dtype):
+        self.module, self.query, self.key, self.out_proj, self.norm = module, query, key, out_proj, norm
+        self.attention_fn, self.scaling, self.attention_kwargs = attention_fn, scaling, dict(attention_kwargs or {})
+        self.update, self.step_norm = options.update, options.step_norm
+        self.inv_tau = None if log_temperature is None else torch.exp(-log_temperature).to(dtype)[None, :, None, None]
+
+    def state(self, o, res):  # (..., H, d) head outputs -> (..., D) iterate
+        z = self.out_proj(o.flatten(-2))
+        if self.update == "residual_norm":
+            z = res + z
+            z = self.norm(z) if self.norm is not None else z
+        return z
+
+    def scaled_query(self, z, *ex):  # the learned per-head temperature divides the logits
+        q = self.query(z, *ex)
+        return q if self.inv_tau is None else q * self.inv_tau
+
+    def attend(self, z, v, mask, ex, p=0.0):
+        return self.attention_fn(self.module, self.scaled_query(z, *ex), self.key(z, *ex), v, mask, dropout=p,
+                                 scaling=self.scaling, **self.attention_kwargs)
+
+    def attend_rows(self, q, k, v, mask):  # the loop's attention: no dropout, outputs only
+        return self.attention_fn(self.module, q, k, v, mask, dropout=0.0, scaling=self.scaling,
+                                 **self.attention_kwargs)[0]
+
+    def step(self, o, res, v, mask, *ex):
+        """One FPSA step and its attention weights."""
+        new, weights = self.attend(self.state(o, res), v, mask, ex)
+        return (o + torch.tanh(new - o) if self.step_norm == "tanh" else new), weights
+
+    def f(self, o, *args):
+        return self.step(o, *args)[0]
+
+
 def fpsa_attention(
     module: nn.Module,
     x: torch.Tensor,
@@ -101,21 +202,11 @@ def fpsa_attention(
     norm: Optional[Callable] = None,
     extra: tuple = (),
     log_temperature: Optional[torch.Tensor] = None,
-    update: str = "residual_norm",
-    step_norm: str = "none",
-    dropout: float = 0.0,
-    adjoint_mask: bool = True,
-    return_weights: bool = False,
-    halting: str = "tolerance",
-    halting_gate: Optional[FPSAHaltingGate] = None,
-    halt_threshold: float = 0.99,
-    margin_fn: Optional[Callable] = None,
     attention_kwargs: Optional[dict] = None,
-    return_state: bool = False,
-    jac_penalty: bool = False,
-    halt_unit: str = "head",
-    jac_norm: str = "frobenius",
-    jac_target: float = 0.2,
+    halting_gate: Optional[FPSAHaltingGate] = None,
+    margin_fn: Optional[Callable] = None,
+    options: Optional[FPSAOptions] = None,
+    **option_changes,
 ) -> FPSAResult:
     """Run one FPSA layer.
 
@@ -123,132 +214,76 @@ def fpsa_attention(
         module: the attention module handed to ``attention_fn`` (its ``training``, ``is_causal`` and, for GQA,
             ``num_key_value_groups`` are read there).
         x: ``(B, T, D)`` attention input, the initial iterate ``Z_0``.
-        query: ``query(z, *extra) -> (B, H, T, d)``; apply position embeddings (RoPE) inside.
-        key: ``key(z, *extra) -> (B, H_kv, T, d)``.
-        value: ``(B, H_kv, T, d)``, computed once from ``x``.
-        out_proj: ``W_O``: ``(B, T, H * d) -> (B, T, D)``.
+        query, key: ``query(z, *extra) -> (B, H, T, d)``, ``key(z, *extra) -> (B, H_kv, T, d)`` (RoPE inside).
+        value: ``(B, H_kv, T, d)``, computed once from ``x``; ``out_proj``: ``W_O``, ``(B, T, H * d) -> (B, T, D)``.
         attention_fn: a transformers attention function (``ALL_ATTENTION_FUNCTIONS`` entry or a model's eager one):
-            ``attention_fn(module, q, k, v, mask, dropout=, scaling=, **kw) -> ((B, T, H, d), weights)``.
-        scaling: the softmax scale ``1 / sqrt(d)``; a learned temperature divides it per head.
+            ``attention_fn(module, q, k, v, mask, dropout=, scaling=, **attention_kwargs) -> ((B, T, H, d), w)``.
+        scaling: the softmax scale ``1 / sqrt(d)``; ``log_temperature`` (``(H,)``, None: 1) divides it per head.
         fp_kwargs: ``fixed_point`` keyword arguments (``fp_settings.fixed_point_kwargs``); ``max_iter`` counts the
             exact first step.
         attention_mask: passed to ``attention_fn`` unchanged (None, bool or additive float, causal or not).
         residual: ``R`` of the ``residual_norm`` form (default ``x``); ``norm``: its norm (default identity).
         extra: batch-first tensors for ``query``/``key`` (e.g. RoPE ``cos, sin``), sliced with the batch when the
             solver drops finished samples.
-        log_temperature: ``(H,)`` log of the per-head temperature (None: 1).
-        update, step_norm: see the module docstring.
-        dropout: attention dropout of the exact first step; the inner iterations are deterministic so that the map
-            has a fixed point.
-        adjoint_mask: ``ift`` backward: keep the implicit term only for converged entries.
-        return_weights: also return the attention weights at the fixed point (one extra evaluation).
-        halting: ``tolerance`` or ``learned`` (then ``halting_gate`` is required).
-        margin_fn: learned halting: ``margin_fn(z) -> (B, T, C)`` task-head logits of the current iterate ``z``;
-            the feature is their top-2 margin.
-        attention_kwargs: further keyword arguments for ``attention_fn``.
-        return_state: also return the final iterate ``Z`` (``x`` when only the exact first step ran), e.g. for the
-            keys a KV cache stores.
-        jac_penalty: when gradients are enabled and the loop runs (``max_iter > 1``, tolerance halting), also return
-            a differentiable Hutchinson estimate of ``||J_f||_F^2 / n`` of the FPSA map at the fixed point (one
-            Gaussian probe; ``n`` the size of the iterate), the Jacobian regulariser of Bai et al. (2021) that
-            ``fpsa_jac_weight`` adds to the loss to train the map towards a contraction; with
-            ``jac_norm="spectral"`` instead the hinge ``mean_b relu(rho_b - jac_target)^2`` on each sample's spectral
-            radius ``rho_b`` of ``J_f`` (``JAC_POWER_ITERS`` power-iteration VJPs from a random start; the gradient
-            flows through the last one), which leaves every direction but the slowest free and bounds the per-step
-            contraction, hence the iteration count, by the target.
-        halt_unit: what converges and halts as one entry with ``halting="tolerance"``: ``head`` (each (token, head)
-            pair, on the relative change of its own output) or ``token`` (the paper's per-token relative Frobenius
-            change of the token's head outputs, all heads together). Iteration counts are reported per (token, head)
-            either way.
+        halting_gate, margin_fn: learned halting's gate, and ``margin_fn(z) -> (B, T, C)`` the task head's logits of
+            an iterate (the feature is their top-2 margin).
+        options, **option_changes: an ``FPSAOptions`` and/or its fields as keywords (``halt_unit="state"``, ...).
     """
-    check_choice(update, "fpsa_update", UPDATE_FORMS)
-    check_choice(step_norm, "fpsa_step_norm", STEP_NORMS)
-    check_choice(halting, "fpsa_halting", HALTING_MODES)
-    check_choice(halt_unit, "fpsa_halt_unit", HALT_UNITS)
-    check_choice(jac_norm, "fpsa_jac_norm", JAC_NORMS)
-    attention_kwargs = dict(attention_kwargs or {})
-    B, T, _ = x.shape
+    opts = FPSAOptions.resolve(options, **option_changes)
     residual = x if residual is None else residual
-
-    def state(o, res):  # (..., H, d) head outputs -> (..., D) iterate
-        z = out_proj(o.flatten(-2))
-        if update == "residual_norm":
-            z = res + z
-            z = norm(z) if norm is not None else z
-        return z
-
-    inv_tau = None if log_temperature is None else torch.exp(-log_temperature).to(x.dtype)[None, :, None, None]
-
-    def scaled_query(z, *ex):  # the learned per-head temperature divides the logits
-        q = query(z, *ex)
-        return q if inv_tau is None else q * inv_tau
-
-    def attend(z, v, mask, ex, p=0.0):
-        return attention_fn(module, scaled_query(z, *ex), key(z, *ex), v, mask, dropout=p, scaling=scaling,
-                            **attention_kwargs)
-
-    o1, w1 = attend(x, value, attention_mask, extra, dropout)  # the base model's attention, exactly
+    fmap = _LayerMap(module, query, key, out_proj, norm, attention_fn, scaling, attention_kwargs, log_temperature,
+                     opts, x.dtype)
+    args = (residual, value, attention_mask, *extra)
+    o1, w1 = fmap.attend(x, value, attention_mask, extra, opts.dropout)  # the base model's attention, exactly
     max_iter = fp_kwargs["max_iter"]
+    if opts.halting == "learned":
+        if halting_gate is None:
+            raise ValueError("fpsa_halting='learned' needs a halting_gate.")
+        return _learned_halting(fmap.step, fmap.state, o1, w1, args, max_iter, halting_gate, opts.halt_threshold,
+                                margin_fn)
+    o, solve_stats, iterations, converged = _tolerance_solve(fmap, o1, args, fp_kwargs, opts)
+    weights = w1 if max_iter == 1 else None
+    if opts.return_weights and max_iter > 1:
+        _, weights = fmap.attend(fmap.state(o, residual), value, attention_mask, extra)
+    final_state = (x if max_iter == 1 else fmap.state(o, residual)) if opts.return_state else None
+    penalty = rho = None
+    if opts.jac_penalty and max_iter > 1 and torch.is_grad_enabled():
+        penalty, rho = _jacobian_penalty(fmap.f, o, args, opts.jac_norm, opts.jac_target)
+    return FPSAResult(output=o.flatten(2), attn_weights=weights, iterations=iterations, converged=converged,
+                      max_iter=max_iter, stats=solve_stats, state=final_state, jac_penalty=penalty, jac_rho=rho)
 
-    def step(o, res, v, mask, *ex):
-        """One FPSA step and its attention weights."""
-        new, weights = attend(state(o, res), v, mask, ex)
-        return (o + torch.tanh(new - o) if step_norm == "tanh" else new), weights
 
-    def f(o, *args):
-        return step(o, *args)[0]
-
+def _tolerance_solve(fmap: _LayerMap, o1, args, fp_kwargs, opts: FPSAOptions):
+    """The loop after the exact first step ``o1``: ``(o, solve stats, iterations, converged)``, counts per (token,
+    head) with the first step included."""
+    B, T, H = o1.shape[:3]
+    ones = torch.ones(B, T, H, dtype=torch.long, device=o1.device)
+    max_iter = fp_kwargs["max_iter"]
+    if max_iter == 1:
+        return o1, None, ones, torch.zeros_like(ones, dtype=torch.bool)
+    kw = dict(fp_kwargs, max_iter=max_iter - 1, min_iter=max(fp_kwargs.get("min_iter", 0) - 1, 0))
+    if opts.halt_unit == "state":
+        kw["residual_fn"] = _state_change(fmap.state)
+    if opts.adjoint_mask and kw.get("backward") == "ift":
+        kw["backward_kwargs"] = {**(kw.get("backward_kwargs") or {}), "mask": "converged"}
+    batch_dims = 3 if opts.halt_unit == "head" else 2
+    residual, value, mask, *extra = args
     # Encoder layers (every query and key a per-token function of the iterate, no extra inputs, not causal: attention
     # functions treat a module without ``is_causal = False`` as causal) let the forward solve skip converged tokens:
     # the solver passes the open entries and ``sparse_f`` recomputes the iterate, queries and keys of the tokens that
     # still have an open head only, reusing the cached keys of the others.
-    sparse = halting == "tolerance" and not extra and max_iter > 1 and getattr(module, "is_causal", True) is False
-
-    def attend_rows(q, k, v, mask):  # the loop's attention: no dropout, outputs only
-        return attention_fn(module, q, k, v, mask, dropout=0.0, scaling=scaling, **attention_kwargs)[0]
-
-    if halting == "learned":
-        if halting_gate is None:
-            raise ValueError("fpsa_halting='learned' needs a halting_gate.")
-        return _learned_halting(step, state, o1, w1, (residual, value, attention_mask, *extra), max_iter,
-                                halting_gate, halt_threshold, margin_fn)
-
-    ones = torch.ones(B, T, o1.shape[2], dtype=torch.long, device=x.device)
-    if max_iter == 1:
-        o, solve_stats, iterations, converged = o1, None, ones, torch.zeros_like(ones, dtype=torch.bool)
+    if not extra and getattr(fmap.module, "is_causal", True) is False:
+        keys = torch.empty((B, value.shape[1], T, value.shape[-1]), dtype=value.dtype, device=value.device)
+        stale = torch.ones(B, T, dtype=torch.bool, device=o1.device)
+        sparse_f = _open_tokens_map(fmap.state, fmap.scaled_query, fmap.key, fmap.attend_rows, fmap.step_norm)
+        o, stats = fixed_point(sparse_f, o1, args=(residual, value, mask, keys, stale), batch_dims=batch_dims,
+                               compact=True, pass_active=True, **kw)
     else:
-        kw = dict(fp_kwargs)
-        if halt_unit == "state":
-            kw["residual_fn"] = _state_change(state)
-        kw["max_iter"] = max_iter - 1
-        kw["min_iter"] = max(kw.get("min_iter", 0) - 1, 0)
-        if adjoint_mask and kw.get("backward") == "ift":
-            kw["backward_kwargs"] = {**(kw.get("backward_kwargs") or {}), "mask": "converged"}
-        if sparse:
-            keys = torch.empty((B, value.shape[1], T, value.shape[-1]), dtype=value.dtype, device=value.device)
-            stale = torch.ones(B, T, dtype=torch.bool, device=x.device)
-            sparse_f = _open_tokens_map(state, scaled_query, key, attend_rows, step_norm)
-            o, solve_stats = fixed_point(sparse_f, o1, args=(residual, value, attention_mask, keys, stale),
-                                         batch_dims=3 if halt_unit == "head" else 2, compact=True, pass_active=True,
-                                         **kw)
-        else:
-            o, solve_stats = fixed_point(f, o1, args=(residual, value, attention_mask, *extra),
-                                         batch_dims=3 if halt_unit == "head" else 2, compact=True, **kw)
-        nstep, converged = solve_stats.nstep, solve_stats.converged
-        if halt_unit != "head":  # one entry per token: every head of it shares the count
-            nstep, converged = nstep[..., None], converged[..., None].expand_as(ones)
-        iterations = ones + nstep
-    weights = w1 if max_iter == 1 else None
-    if return_weights and max_iter > 1:
-        _, weights = attend(state(o, residual), value, attention_mask, extra)
-    final_state = None
-    if return_state:
-        final_state = x if max_iter == 1 else state(o, residual)
-    penalty = rho = None
-    if jac_penalty and max_iter > 1 and torch.is_grad_enabled():
-        penalty, rho = _jacobian_penalty(f, o, (residual, value, attention_mask, *extra), jac_norm, jac_target)
-    return FPSAResult(output=o.flatten(2), attn_weights=weights, iterations=iterations, converged=converged,
-                      max_iter=max_iter, stats=solve_stats, state=final_state, jac_penalty=penalty, jac_rho=rho)
+        o, stats = fixed_point(fmap.f, o1, args=args, batch_dims=batch_dims, compact=True, **kw)
+    nstep, converged = stats.nstep, stats.converged
+    if opts.halt_unit != "head":  # one entry per token: every head of it shares the count
+        nstep, converged = nstep[..., None], converged[..., None].expand_as(ones)
+    return o, stats, ones + nstep, converged
 
 
 def _state_change(state):
@@ -381,15 +416,9 @@ def fpsa_decoder_attention(
     residual: Optional[torch.Tensor] = None,
     norm: Optional[Callable] = None,
     log_temperature: Optional[torch.Tensor] = None,
-    update: str = "residual_norm",
-    step_norm: str = "none",
-    adjoint_mask: bool = True,
-    return_weights: bool = False,
     attention_kwargs: Optional[dict] = None,
-    jac_penalty: bool = False,
-    halt_unit: str = "head",
-    jac_norm: str = "frobenius",
-    jac_target: float = 0.2,
+    options: Optional[FPSAOptions] = None,
+    **option_changes,
 ):
     """Causal FPSA in one layer of a pretrained decoder (SELF-LLaMA / SELF-Mistral), with an optional KV cache.
 
@@ -408,7 +437,9 @@ def fpsa_decoder_attention(
     ``fp_max_iter=1``). Entries stopped at the cap unconverged have no fixed point to agree on: there the cached keys
     (of the last iterate) and a full recomputation's differ, and greedy tokens can diverge.
 
-    Returns ``(output, result)``: the attention block's output after ``o_proj`` ``(B, T, D)`` and the ``FPSAResult``.
+    ``residual``, ``norm``, ``log_temperature``, ``attention_kwargs``, ``options`` and ``**option_changes`` are
+    ``fpsa_attention``'s (``dropout`` is the module's attention dropout in training, ``return_state`` is set with a
+    cache). Returns ``(output, result)``: the block's output after ``o_proj`` ``(B, T, D)`` and the ``FPSAResult``.
     """
     B, T, _ = hidden_states.shape
     head_dim = module.head_dim
@@ -438,22 +469,26 @@ def fpsa_decoder_attention(
         k = rope(heads(module.k_proj(z)), c, s)
         return torch.cat([past[0], k], dim=2) if past else k
 
+    opts = FPSAOptions.resolve(options, **option_changes, dropout=module.attention_dropout if module.training else 0.0,
+                               return_state=cache is not None)
     result = fpsa_attention(
         module, hidden_states, query=query, key=key, value=value, out_proj=module.o_proj,
         attention_fn=attention_fn, scaling=module.scaling, fp_kwargs=fp_kwargs, attention_mask=attention_mask,
         residual=residual, norm=norm, extra=(cos, sin) + ((past_key,) if past_key is not None else ()),
-        log_temperature=log_temperature, update=update, step_norm=step_norm,
-        dropout=module.attention_dropout if module.training else 0.0, adjoint_mask=adjoint_mask,
-        return_weights=return_weights, attention_kwargs=attention_kwargs, return_state=cache is not None,
-        jac_penalty=jac_penalty, halt_unit=halt_unit, jac_norm=jac_norm, jac_target=jac_target,
-    )
+        log_temperature=log_temperature, attention_kwargs=attention_kwargs, options=opts)
     if cache is not None:
-        with torch.no_grad():
-            final_key = rope(heads(module.k_proj(result.state)), cos, sin)
-            stored = cache.layers[module.layer_idx].keys
-            n = min(T, stored.shape[-2])
-            stored[:, :, stored.shape[-2] - n:] = final_key[:, :, T - n:].to(stored.dtype)
+        _store_converged_keys(cache, module, lambda: rope(heads(module.k_proj(result.state)), cos, sin), T)
     return module.o_proj(result.output), result
 
 
-__all__ = ["FPSAHaltingGate", "fpsa_attention", "fpsa_decoder_attention"]
+@torch.no_grad()
+def _store_converged_keys(cache, module, final_keys: Callable, T):
+    """Overwrite the placeholder keys of the new tokens (the last ``T`` slots, fewer if a sliding window cut them)
+    with ``final_keys()``, the keys of their final iterate (computed here, without gradients)."""
+    final_key = final_keys()
+    stored = cache.layers[module.layer_idx].keys
+    n = min(T, stored.shape[-2])
+    stored[:, :, stored.shape[-2] - n:] = final_key[:, :, T - n:].to(stored.dtype)
+
+
+__all__ = ["FPSAHaltingGate", "FPSAOptions", "fpsa_attention", "fpsa_decoder_attention"]

@@ -45,7 +45,7 @@ from transformers.utils import can_return_tuple
 from .configuration_fpsa_bert import FPSABertConfig
 from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_compat import attention_function, require_transformers
-from .fp_fpsa import FPSAHaltingGate, fpsa_attention
+from .fp_fpsa import FPSAHaltingGate, FPSAOptions, fpsa_attention
 from .fp_fpsa_layers import FPSAHeadMixin, apply_spectral_norm, init_fpsa_weights
 from .fp_fpsa_settings import FPSA_DEFAULTS  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_fpsa_stats import FPSAStats, FPSAStatsSink
@@ -94,14 +94,11 @@ class FPSABertSelfAttention(BertSelfAttention):
             query=lambda z: split(self.query(z)), key=lambda z: split(self.key(z)),
             value=split(self.value(hidden_states)), out_proj=fpsa_output.dense, norm=fpsa_output.LayerNorm,
             attention_fn=attention_fn, scaling=self.scaling, fp_kwargs=fpsa_fp_kwargs,
-            attention_mask=attention_mask, log_temperature=self.fpsa_log_tau, update=config.fpsa_update,
-            step_norm=config.fpsa_step_norm, dropout=self.dropout.p if self.training else 0.0,
-            adjoint_mask=config.fpsa_adjoint_mask,
-            return_weights=bool(kwargs.get("output_attentions", config.output_attentions)),  # as output capturing
-            halting=config.fpsa_halting, halting_gate=self.fpsa_halt_gate, halt_threshold=config.fpsa_halt_threshold,
-            margin_fn=fpsa_margin_fn, attention_kwargs=kwargs, jac_penalty=config.fpsa_jac_weight > 0,
-            jac_norm=config.fpsa_jac_norm, jac_target=config.fpsa_jac_target,
-            halt_unit=config.fpsa_halt_unit,
+            attention_mask=attention_mask, log_temperature=self.fpsa_log_tau, halting_gate=self.fpsa_halt_gate,
+            margin_fn=fpsa_margin_fn, attention_kwargs=kwargs,
+            options=FPSAOptions.from_config(
+                config, dropout=self.dropout.p if self.training else 0.0,
+                return_weights=bool(kwargs.get("output_attentions", config.output_attentions))),  # output capturing
         )
         if fpsa_stats is not None:
             fpsa_stats.add(result, layer=self)

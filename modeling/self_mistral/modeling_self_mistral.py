@@ -39,7 +39,7 @@ from transformers.utils.generic import can_return_tuple
 from .configuration_self_mistral import SelfMistralConfig
 from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_compat import CACHE_NAME, attention_function, pop_cache, require_dynamic_cache
-from .fp_fpsa import fpsa_decoder_attention
+from .fp_fpsa import FPSAOptions, fpsa_decoder_attention
 from .fp_fpsa_layers import init_fpsa_weights
 from .fp_fpsa_settings import FPSA_DEFAULTS  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_fpsa_stats import FPSAStats, FPSAStatsSink, with_jac_penalty
@@ -85,12 +85,9 @@ class SelfMistralAttention(MistralAttention):
         output, result = fpsa_decoder_attention(
             self, hidden_states, position_embeddings=position_embeddings, rope=apply_rope, attention_fn=attention_fn,
             fp_kwargs=fpsa_fp_kwargs, attention_mask=attention_mask, cache=past_key_values, residual=fpsa_residual,
-            norm=fpsa_norm, log_temperature=self.fpsa_log_tau, update=config.fpsa_update,
-            step_norm=config.fpsa_step_norm, adjoint_mask=config.fpsa_adjoint_mask,
-            return_weights=bool(kwargs.get("output_attentions", config.output_attentions)), attention_kwargs=kwargs,
-            jac_penalty=config.fpsa_jac_weight > 0, jac_norm=config.fpsa_jac_norm,
-            jac_target=config.fpsa_jac_target,
-            halt_unit=config.fpsa_halt_unit,
+            norm=fpsa_norm, log_temperature=self.fpsa_log_tau, attention_kwargs=kwargs,
+            options=FPSAOptions.from_config(
+                config, return_weights=bool(kwargs.get("output_attentions", config.output_attentions))),
         )
         if fpsa_stats is not None:
             fpsa_stats.add(result, layer=self)

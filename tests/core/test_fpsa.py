@@ -375,6 +375,8 @@ def test_bad_input():
         blk.run(x, fp(), update="tied")
     with pytest.raises(ValueError, match="fpsa_halting='learned' needs a halting_gate"):
         blk.run(x, fp(), halting="learned")
+    with pytest.raises(ValueError, match=r"Unknown FPSA option\(s\) \['halt_units'\]; allowed: \[.*'halt_unit'"):
+        blk.run(x, fp(), halt_units="state")
     with pytest.raises(ValueError, match="Unknown FPSA setting"):
         pop_fpsa_kwargs({"fpsa_tol": 1e-3})
     with pytest.raises(ValueError, match="fpsa_ponder_budget"):
