@@ -1,4 +1,4 @@
-"""Blocks copied from transformers stay in step with the installed release.
+"""Blocks copied from transformers stay in step with the pinned release (``constraints.txt``).
 
 A copied function or class is marked on the lines just above it::
 
@@ -9,6 +9,11 @@ A copied function or class is marked on the lines just above it::
 Each indented ``old -> new`` line is a plain text replacement applied, in order, to the original's source (found with
 ``inspect``); the result must parse to the same syntax tree as the block here, up to comments, docstrings, formatting
 and type annotations. A replacement that no longer matches anything is drift too.
+
+The copies follow the transformers release the project pins (as transformers' own ``check_copies`` follows its own
+tree): on another release (CI's newest-release leg) the comparison is skipped with the reason, since upstream code
+moves between releases while the copies keep working (the compatibility check loads every family there); drift shows
+up here when the pin is raised.
 """
 
 import ast
@@ -22,6 +27,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+PINNED = re.search(r"^transformers==(\S+)$", (ROOT / "constraints.txt").read_text(), re.M).group(1)
 HEADER = re.compile(r"^\s*# Copied from transformers\.(\S+?)(?: with)?\s*$")
 PAIR = re.compile(r"^\s*# {5}(.+?) -> (.+?)\s*$")
 
@@ -96,6 +102,10 @@ COPIES = [(path, *copy_) for path in FILES for copy_ in find_copies(path)]
 @pytest.mark.parametrize("path,lineno,dotted,pairs", COPIES,
                          ids=[f"{p.parent.name}:{d.split('.', 3)[3]}" for p, _, d, _ in COPIES])
 def test_copy_matches_the_installed_transformers(path, lineno, dotted, pairs):
+    import transformers
+
+    if transformers.__version__ != PINNED:
+        pytest.skip(f"the copies follow the pinned transformers {PINNED}; installed: {transformers.__version__}")
     assert not drift(ast.parse(path.read_text()), lineno, dotted, pairs), drift(
         ast.parse(path.read_text()), lineno, dotted, pairs)
 
