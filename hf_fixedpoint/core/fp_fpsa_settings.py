@@ -8,6 +8,7 @@ the operator that uses them)."""
 from typing import Optional
 
 from .fp_registry import check_choice, check_number
+from .fp_settings import FixedPointConfigMixin
 
 UPDATE_FORMS = ("residual_norm", "plain")
 STEP_NORMS = ("none", "tanh")
@@ -96,6 +97,39 @@ def check_decoder_fpsa(config) -> None:
                          "allowed: 'none'.")
 
 
-__all__ = ["FPSA_DEFAULTS", "FPSA_FP_DEFAULTS", "HALTING_MODES", "HALT_UNITS", "JAC_NORMS", "SPECTRAL_NORMS",
-           "STEP_NORMS", "UPDATE_FORMS", "check_decoder_fpsa", "check_fpsa_settings", "check_heads", "pop_fpsa_kwargs",
-           "retrofit_config_dict"]
+class FPSAConfigMixin(FixedPointConfigMixin):
+    """``FixedPointConfigMixin`` for the FPSA configs, with their ``fpsa_*`` settings too: ``from_pretrained(dir,
+    fpsa_x=...)`` keywords join the saved settings before ``__init__`` validates them together, and a later
+    ``config.fpsa_x = value`` is validated against the other settings (an unknown ``fpsa_*`` key is an error)."""
+
+    def check_setting(self, key: str, value) -> None:
+        if key.startswith("fpsa_"):
+            if key not in FPSA_DEFAULTS:
+                raise ValueError(f"Unknown FPSA setting {key!r}. Valid keys: {sorted(FPSA_DEFAULTS)}.")
+            current = vars(self)
+            if all(k in current for k in FPSA_DEFAULTS):  # constructed: ``__init__`` validated them as a whole
+                check_fpsa_settings({**{k: current[k] for k in FPSA_DEFAULTS}, key: value})
+        super().check_setting(key, value)
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        fpsa_kwargs = {k: kwargs.pop(k) for k in [k for k in kwargs if k.startswith("fpsa_")]}
+        return super().from_dict({**config_dict, **fpsa_kwargs}, **kwargs)
+
+
+__all__ = [
+    "FPSA_DEFAULTS",
+    "FPSA_FP_DEFAULTS",
+    "HALTING_MODES",
+    "HALT_UNITS",
+    "JAC_NORMS",
+    "SPECTRAL_NORMS",
+    "STEP_NORMS",
+    "UPDATE_FORMS",
+    "FPSAConfigMixin",
+    "check_decoder_fpsa",
+    "check_fpsa_settings",
+    "check_heads",
+    "pop_fpsa_kwargs",
+    "retrofit_config_dict",
+]

@@ -7,11 +7,11 @@ FPSA-BERT (see ``fp_fpsa_settings.FPSA_DEFAULTS``).
 from transformers import ViTConfig
 
 from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
-from .fp_fpsa_settings import FPSA_FP_DEFAULTS, check_heads, pop_fpsa_kwargs, retrofit_config_dict
+from .fp_fpsa_settings import FPSA_FP_DEFAULTS, FPSAConfigMixin, check_heads, pop_fpsa_kwargs, retrofit_config_dict
 from .fp_halting import ACTAccumulator  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_jacobian import jacobian_frobenius  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_registry import check_number, complete_auto_map  # noqa: F401  (see vendor.direct_import_problems)
-from .fp_settings import FixedPointConfigMixin, pop_fp_kwargs
+from .fp_settings import pop_fp_kwargs
 from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_problems)
 
@@ -19,7 +19,7 @@ from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_p
 COMPATIBLE_MODEL_TYPES = ("vit", "fpsa_vit")
 
 
-class FPSAViTConfig(FixedPointConfigMixin, ViTConfig):
+class FPSAViTConfig(FPSAConfigMixin, ViTConfig):
     r"""
     Args:
         **ViTConfig fields**: ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads`` (must divide

@@ -142,6 +142,8 @@ class FPSAOptions:
     @classmethod
     def resolve(cls, options: Optional["FPSAOptions"] = None, **changes) -> "FPSAOptions":
         """``options`` (default ``FPSAOptions()``) with keyword ``changes``; an unknown name is a ValueError."""
+        if not changes:  # nothing to re-validate
+            return options or cls()
         unknown = set(changes) - {f.name for f in fields(cls)}
         if unknown:
             raise ValueError(f"Unknown FPSA option(s) {sorted(unknown)}; allowed: {[f.name for f in fields(cls)]}.")

@@ -8,11 +8,18 @@ weight names; the ``fp_*`` knobs (solver, ``fp_tol``, ``fp_max_iter``, backward 
 from transformers import MistralConfig
 
 from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
-from .fp_fpsa_settings import FPSA_FP_DEFAULTS, check_decoder_fpsa, check_heads, pop_fpsa_kwargs, retrofit_config_dict
+from .fp_fpsa_settings import (
+    FPSA_FP_DEFAULTS,
+    FPSAConfigMixin,
+    check_decoder_fpsa,
+    check_heads,
+    pop_fpsa_kwargs,
+    retrofit_config_dict,
+)
 from .fp_halting import ACTAccumulator  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_jacobian import jacobian_frobenius  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_registry import check_number, complete_auto_map  # noqa: F401  (see vendor.direct_import_problems)
-from .fp_settings import FixedPointConfigMixin, pop_fp_kwargs
+from .fp_settings import pop_fp_kwargs
 from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_problems)
 
@@ -22,7 +29,7 @@ COMPATIBLE_MODEL_TYPES = ("mistral", "self_mistral")
 SELF_FPSA_DEFAULTS = {"fpsa_learn_temperature": False}
 
 
-class SelfMistralConfig(FixedPointConfigMixin, MistralConfig):
+class SelfMistralConfig(FPSAConfigMixin, MistralConfig):
     r"""
     Args:
         **MistralConfig fields**: ``vocab_size``, ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,

@@ -89,6 +89,24 @@ def test_from_pretrained_checks_the_knob(name, saved):
     assert getattr(loaded.config, knob(name)) == 2
 
 
+@pytest.mark.parametrize("name", ["fpsa_bert", "fpsa_vit", "self_llama", "self_mistral"])
+def test_fpsa_settings_are_checked_at_load_and_on_assignment(name, saved):
+    """The FPSA families' ``fpsa_*`` settings enter the same ways: a bad ``from_pretrained(dir, fpsa_x=...)`` value or
+    a typo fails at load, a bad assignment fails, and an accepted one takes effect."""
+    _, model_class, _ = family(name)
+    with pytest.raises(ValueError, match=r"fpsa_halt_unit='layer' is not allowed.*'head', 'token', 'state'"):
+        model_class.from_pretrained(saved[name], fpsa_halt_unit="layer")
+    with pytest.raises(ValueError, match=r"Unknown FPSA setting.*fpsa_halt_units"):
+        model_class.from_pretrained(saved[name], fpsa_halt_units="state")
+    loaded = model_class.from_pretrained(saved[name], fpsa_halt_unit="state")
+    assert loaded.config.fpsa_halt_unit == "state"
+    with pytest.raises(ValueError, match=r"fpsa_halt_unit='layer' is not allowed"):
+        loaded.config.fpsa_halt_unit = "layer"
+    with pytest.raises(ValueError, match=r"fpsa_jac_target=1.5 is out of range"):
+        loaded.config.fpsa_jac_target = 1.5
+    assert loaded.config.fpsa_halt_unit == "state" and loaded.config.fpsa_jac_target == 0.2
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_forward_rejects_a_typo(name):
     model, inputs = build(name)
