@@ -20,7 +20,7 @@ tensors whose first dimension indexes entries, so the loop can drop finished row
 
 import math
 from dataclasses import dataclass, fields, replace
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -132,31 +132,51 @@ class FPOpt(_Solver):
 
 @SOLVERS.register("picard_adaptive")
 class AdaptivePicard(_Solver):
-    """Picard iteration, damped per entry where it oscillates.
+    """Picard iteration, relaxed per entry where it oscillates.
 
-    An entry whose residual ``f(z) - z`` points against its previous one (negative cosine: the iterate overshoots and
-    comes back, as with a Jacobian eigenvalue near -1) takes the damped step ``z + damping (f(z) - z)``; every other
-    entry takes the plain step ``f(z)``. A contracting map with aligned steps is iterated exactly as ``picard`` does.
+    An entry whose residual ``g_k = f(z_k) - z_k`` points against its previous one (``g_k . g_{k-1} < 0``: the iterate
+    overshoots and comes back, a Jacobian eigenvalue below 0) takes the relaxed step ``z + w g_k``; every other entry
+    takes the plain step ``f(z)``. A contracting map with aligned steps is iterated exactly as ``picard`` does.
+
+    With ``damping="auto"`` (default) ``w = 1 / (1 - lam)`` where ``lam = g_k . g_{k-1} / ||g_{k-1}||^2`` is the
+    secant estimate of the eigenvalue along the previous residual: the relaxation that would cancel that mode of a
+    linear map in one step (``lam = -1``: ``w = 1/2``; ``lam = -0.2``: ``w = 0.83``, nearly the plain step, where a
+    fixed half step would slow the iteration from a factor 0.2 to 0.4 per step). An entry that also flipped at its
+    previous step oscillates persistently (complex eigenvalues, or a mode the one-direction estimate misses) and takes
+    at most the half step; ``w`` is kept >= ``MIN_STEP``. A number is a fixed step size for every oscillating entry.
 
     Args:
-        damping: step size in (0, 1) for oscillating entries.
+        damping: ``"auto"`` or a step size in (0, 1) for oscillating entries.
     """
 
-    def __init__(self, damping: float = 0.5):
+    MIN_STEP = 0.1
+
+    def __init__(self, damping: Union[float, str] = "auto"):
         super().__init__()
-        check_number(damping, "damping", low=0.0, high=1.0, low_open=True, high_open=True)
-        self.damping = float(damping)
+        if damping != "auto":
+            if isinstance(damping, str):
+                raise ValueError(f"damping={damping!r} must be 'auto' or a number in (0.0, 1.0).")
+            check_number(damping, "damping", low=0.0, high=1.0, low_open=True, high_open=True)
+            damping = float(damping)
+        self.damping = damping
 
     def init(self, z):
-        self.state = {"prev": torch.zeros_like(z)}
+        self.state = {"prev": torch.zeros_like(z), "flipped": torch.zeros(z.shape[0], dtype=torch.bool,
+                                                                           device=z.device)}
 
     def step(self, z, fz, gz, k):
-        prev = self.state["prev"]
-        flips = (gz * prev).sum(-1) < 0  # cos < 0; the zero initial state counts as aligned
-        self.state["prev"] = gz
+        prev, flipped = self.state["prev"], self.state["flipped"]
+        dot = (gz * prev).sum(-1)
+        flips = dot < 0  # the zero initial state counts as aligned
+        self.state["prev"], self.state["flipped"] = gz, flips
         if not bool(flips.any()):
             return fz
-        return torch.where(flips[:, None], z + self.damping * gz, fz)
+        step = self.damping
+        if step == "auto":
+            lam = dot / (prev * prev).sum(-1).clamp_min(torch.finfo(dot.dtype).tiny)
+            step = (1.0 / (1.0 - lam)).clamp(min=self.MIN_STEP)
+            step = torch.where(flipped, step.clamp(max=0.5), step)[:, None]
+        return torch.where(flips[:, None], z + step * gz, fz)
 
 
 @SOLVERS.register("anderson")

@@ -172,9 +172,10 @@ def test_fpopt_halts_entries_whose_step_vanishes():
 
 
 def test_picard_adaptive_is_picard_while_converging_and_damps_an_oscillation():
-    """On a contraction with aligned steps it takes Picard's exact steps; on ``f(z) = -2 z + 3`` (fixed point 1,
-    eigenvalue -2: plain iteration oscillates and diverges) every residual reverses the previous one, so each step is
-    damped to ``z + (f(z) - z) / 2``, whose error factor is 1 - 3/2 = -1/2: it converges, one halving per step."""
+    """On a contraction with aligned steps it takes Picard's exact steps. On ``f(z) = -2 z + 3`` (fixed point 1,
+    eigenvalue -2: plain iteration oscillates and diverges) every residual reverses the previous one: the fixed half
+    step ``z + (f(z) - z) / 2`` has error factor 1 - 3/2 = -1/2 (one halving per step), and the default secant step
+    estimates the eigenvalue -2 from the last two residuals and relaxes by 1 / (1 + 2), which lands on 1 at once."""
     A = torch.diag(torch.linspace(0.1, 0.8, 8, dtype=torch.float64))  # positive eigenvalues: residuals stay aligned
     f = lambda z, x: z @ A + x
     x = torch.randn(3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
@@ -185,15 +186,34 @@ def test_picard_adaptive_is_picard_while_converging_and_damps_an_oscillation():
     assert torch.equal(sa.nstep, sp.nstep)
     torch.testing.assert_close(sa.trace, sp.trace, rtol=0, atol=0, equal_nan=True)
     g = lambda z: -2 * z + 3
-    z, s = solve(g, torch.zeros(2, 3, dtype=torch.float64), solver="picard_adaptive", tol=1e-10, max_iter=200,
+    z0 = torch.zeros(2, 3, dtype=torch.float64)
+    z, s = solve(g, z0, solver="picard_adaptive", solver_kwargs={"damping": 0.5}, tol=1e-10, max_iter=200,
                  stop_mode="abs", norm="linf")
     # |z_k - 1| = 2 (after the plain first step) * (1/2)^(k-2); abs residual |f(z) - z| = 3 |z - 1| < 1e-10
     assert bool(s.converged.all()) and 35 <= int(s.nstep.max()) <= 38
     torch.testing.assert_close(z, torch.ones(2, 3, dtype=torch.float64), rtol=0, atol=1e-9)
-    _, s = solve(g, torch.zeros(2, 3, dtype=torch.float64), solver="picard", tol=1e-10, max_iter=200)
+    z, s = solve(g, z0, solver="picard_adaptive", tol=1e-10, max_iter=200, stop_mode="abs", norm="linf")
+    # z_1 = 3 (plain step), then the secant step 3 + (-6) / 3 = 1: converged at the next evaluation
+    assert bool(s.converged.all()) and int(s.nstep.max()) <= 3
+    torch.testing.assert_close(z, torch.ones(2, 3, dtype=torch.float64), rtol=0, atol=1e-12)
+    _, s = solve(g, z0, solver="picard", tol=1e-10, max_iter=200)
     assert not s.converged.any()
-    with pytest.raises(ValueError, match="damping"):
-        solve(g, torch.zeros(2, 3), solver="picard_adaptive", solver_kwargs={"damping": 1.0})
+    for bad in (1.0, "half"):
+        with pytest.raises(ValueError, match="damping"):
+            solve(g, torch.zeros(2, 3), solver="picard_adaptive", solver_kwargs={"damping": bad})
+
+
+def test_picard_adaptive_secant_step_on_a_mixed_linear_map():
+    """Per entry: rows of a diagonal linear map with eigenvalue -0.2 (fast oscillation) and -0.95 (slow) against the
+    fixed half step: the secant step is never slower, and much faster on both (float64, exact fixed point 0)."""
+    for lam in (-0.2, -0.95):
+        f = lambda z: lam * z
+        z0 = torch.ones(4, 5, dtype=torch.float64)
+        _, auto = solve(f, z0, solver="picard_adaptive", tol=1e-10, max_iter=500, stop_mode="abs")
+        _, half = solve(f, z0, solver="picard_adaptive", solver_kwargs={"damping": 0.5}, tol=1e-10, max_iter=500,
+                        stop_mode="abs")
+        assert bool(auto.converged.all()) and bool(half.converged.all())
+        assert int(auto.nstep.max()) <= 4 < int(half.nstep.max()), (lam, auto.nstep, half.nstep)
 
 
 @pytest.mark.parametrize("mode", ["best", "last"])
