@@ -48,6 +48,20 @@ def test_packaged_word_problems_are_the_generated_ones():
     assert rows[1]["question"].startswith("Finn has 35 marbles and gives away 5") and rows[1]["answer"] == "30"
 
 
+def test_packaged_additions_are_the_recipes_held_out_problems():
+    from recipes.stars_ouro import addition_batch
+
+    tok = char_tokenizer()
+    ids, _ = addition_batch(100, 3, torch.Generator().manual_seed(10**6 + 7), tok)
+    with open(os.path.join(TASKS_DIR, "fp_addition_rev.jsonl"), encoding="utf-8") as fh:
+        rows = [json.loads(line) for line in fh]
+    texts = ["".join(tok.convert_ids_to_tokens(row[:-1])) for row in ids.tolist()]  # without EOS
+    assert [r["prompt"] + r["answer"] for r in rows] == texts
+    assert all(len(r["prompt"]) == 8 and r["prompt"].endswith("=") and len(r["answer"]) == 4 for r in rows)
+    a, b = rows[0]["prompt"][:3][::-1], rows[0]["prompt"][4:7][::-1]  # least significant digit first
+    assert int(a) + int(b) == int(rows[0]["answer"][::-1])
+
+
 def test_sweep_sets_the_loop_count_of_every_call(tmp_path):
     tok = char_tokenizer()
     model = _tiny(tok)
