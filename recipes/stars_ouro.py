@@ -14,6 +14,8 @@ log-normal per step, JSRR with weight ``reg_weight`` after ``reg_warmup_steps``)
 baseline. Both are then scored by exact match at loop counts from 1 to 4x ``train_loops``; the recipe prints a table,
 writes ``accuracy_vs_loops.png`` and ``metrics.json``, and saves both models (``stars/``, ``baseline/``) so that
 ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` loads them with torch + transformers only.
+``--exit_loss expected_loss`` trains the exit gate with the LM (Ouro's stage I); ``--gate_stage 2`` then trains the
+gate alone on the frozen LM (Ouro's stage II, ``adaptive_gate_loss``), also on a saved model (``--gate_from DIR``).
 
 Fine-tuning (``--model <hub id or dir> --dataset <hub id or local json/jsonl/csv/parquet>``), as the paper fine-tuned
 Ouro-1.4B: chat-formatted data (system prompt, user = question column, assistant = answer column, or a ``messages``
