@@ -14,6 +14,8 @@ log-normal per step, JSRR with weight ``reg_weight`` after ``reg_warmup_steps``)
 baseline. Both are then scored by exact match at loop counts from 1 to 4x ``train_loops``; the recipe prints a table,
 writes ``accuracy_vs_loops.png`` and ``metrics.json``, and saves both models (``stars/``, ``baseline/``) so that
 ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` loads them with torch + transformers only.
+``--exit_loss expected_loss`` trains the exit gate with the LM (Ouro's stage I); ``--gate_stage 2`` then trains the
+gate alone on the frozen LM (Ouro's stage II, ``adaptive_gate_loss``), also on a saved model (``--gate_from DIR``).
 
 Fine-tuning (``--model <hub id or dir> --dataset <hub id or local json/jsonl/csv/parquet>``), as the paper fine-tuned
 Ouro-1.4B: chat-formatted data (system prompt, user = question column, assistant = answer column, or a ``messages``
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import DataLoaderConfiguration, DistributedType, set_seed
@@ -41,6 +44,7 @@ from transformers.optimization import get_wsd_schedule
 from hf_fixedpoint.checkpointing import Checkpointer, Preemption, Stateful, staged_folder, write_json
 from hf_fixedpoint.modeling import OuroConfig, OuroForCausalLM
 from hf_fixedpoint.modeling.ouro.configuration_ouro import EXIT_LOSSES
+from hf_fixedpoint.modeling.ouro.modeling_ouro import adaptive_gate_loss
 from hf_fixedpoint.recipe_args import RecipeArgs, end_tracking, log_scalars, push_output, start_run, tracking
 from hf_fixedpoint.stars import STARSRegularizer, loop_sampler
 
@@ -84,6 +88,19 @@ class Args(RecipeArgs):  # --seed, --report_to, --push_to_hub, ...: docs/recipes
                                                               "(Ouro stage I, trains the exit gate: sum_t p_t CE_t - "
                                                               "entropy_weight * H(p)) or expected_logits"})
     entropy_weight: float = field(default=0.0, metadata={"help": "beta of --exit_loss expected_loss"})
+    gate_stage: int = field(default=1, metadata={"help": "1: train with --exit_loss only; 2: then Ouro's stage II: "
+                                                          "the LM frozen, the exit gate alone trained for "
+                                                          "--gate_steps with BCE(1 - lambda_t, sigmoid(k (I_t - "
+                                                          "gamma))), I_t the LM-loss improvement of loop t"})
+    gate_from: Optional[str] = field(default=None, metadata={"help": "--gate_stage 2 on this saved model (a "
+                                                                      "recipe output folder) instead of training "
+                                                                      "one; --runs names the output folder"})
+    gate_steps: int = field(default=300, metadata={"help": "stage-II optimizer steps"})
+    gate_lr: float = field(default=3e-3, metadata={"help": "stage-II AdamW learning rate of the gate"})
+    gate_loops: Optional[int] = field(default=None, metadata={"help": "loops of the stage-II forward (default: "
+                                                                       "the largest sampled / trained count)"})
+    gate_k: float = field(default=50.0, metadata={"help": "stage II: sharpness k of the target sigmoid"})
+    gate_gamma: float = field(default=0.005, metadata={"help": "stage II: improvement threshold gamma"})
     eval_size: int = field(default=1000, metadata={"help": "held-out problems per loop count"})
     eval_loops: Optional[str] = field(default=None, metadata={"help": "comma-separated loop counts (default: 1, "
                                                                        "2, ..., 4 x train_loops)"})
@@ -130,6 +147,7 @@ def check_args(args):
         raise ValueError(f"--exit_loss={args.exit_loss!r}: allowed values are {', '.join(EXIT_LOSSES)}.")
     if args.entropy_weight < 0:
         raise ValueError(f"--entropy_weight must be >= 0, got {args.entropy_weight}.")
+    check_gate_args(args)
     if args.save_total_limit < 0:
         raise ValueError(f"--save_total_limit must be >= 0 (0: keep all), got {args.save_total_limit}.")
     if args.reg_warmup_steps < 0 or (args.reg_max_batch or 0) < 0:
@@ -142,6 +160,27 @@ def check_args(args):
     sampler(args)  # unknown sampler names / options raise here
     regularizer(args)
     eval_loop_counts(args)
+
+
+def check_gate_args(args):
+    """The stage-II flags (``--gate_*``)."""
+    if args.gate_stage not in (1, 2):
+        raise ValueError(f"--gate_stage={args.gate_stage}: allowed values are 1 (the --exit_loss training only) and "
+                         "2 (then Ouro's stage II, the gate alone).")
+    if args.gate_stage == 2 and args.model is not None:
+        raise ValueError("--gate_stage 2 runs in the addition demo (no --model / --dataset).")
+    if args.gate_from is not None and args.gate_stage != 2:
+        raise ValueError("--gate_from needs --gate_stage 2 (it loads a model to train the gate of).")
+    if args.gate_from is not None and len([r for r in args.runs.split(",") if r.strip()]) != 1:
+        raise ValueError(f"--gate_from takes one --runs name (the output folder), got --runs={args.runs!r}.")
+    for name in ("gate_steps", "gate_loops"):
+        if getattr(args, name) is not None and getattr(args, name) < (1 if name == "gate_steps" else 2):
+            raise ValueError(f"--{name} must be >= {1 if name == 'gate_steps' else 2}, got {getattr(args, name)}.")
+    for name in ("gate_lr", "gate_k"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name} must be > 0, got {getattr(args, name)}.")
+    if args.gate_gamma < 0:
+        raise ValueError(f"--gate_gamma must be >= 0, got {args.gate_gamma}.")
 
 
 def check_engine(args, accelerator):
@@ -315,6 +354,42 @@ def train_addition(args, accelerator, tokenizer, run):
     return accelerator.unwrap_model(model), time.time() - t0
 
 
+def train_gate(args, accelerator, model, tokenizer, run):
+    """Ouro's stage II: the LM frozen, the exit gate alone trained with ``adaptive_gate_loss`` on fresh addition
+    batches, every loop of a ``gate_loops``-loop forward (the loop states and their losses computed without
+    gradients; the gate's exit probability at loop ``t`` learns whether loop ``t`` still improved the LM loss by more
+    than ``gate_gamma``). One process (the gate is a single linear layer: seconds per hundred steps)."""
+    if accelerator.num_processes > 1:
+        raise ValueError("--gate_stage 2 trains the gate in one process; launch without --num_processes.")
+    loops = args.gate_loops or (loop_range(args)[1] if run == "stars" else args.train_loops)
+    model.eval()  # the LM is frozen: inference-mode forward, gradients for the gate only
+    model.requires_grad_(False)
+    gate = model.model.early_exit_gate
+    gate.requires_grad_(True)
+    optimizer = torch.optim.AdamW(gate.parameters(), lr=args.gate_lr, weight_decay=0.0)
+    g = torch.Generator().manual_seed(args.seed * 1000 + 999)  # not the LM training's data stream
+    t0 = time.time()
+    for step in range(args.gate_steps):
+        ids, labels = addition_batch(args.batch_size, args.digits, g, tokenizer)
+        ids, labels = ids.to(model.device), labels.to(model.device)
+        targets = F.pad(labels, (0, 1), value=-100)[:, 1:]
+        with torch.no_grad():
+            states = model.model(ids, total_ut_steps=loops, use_cache=False).loop_hidden_states
+            ce = torch.stack([F.cross_entropy(model.lm_head(h).float().transpose(1, 2), targets, reduction="none")
+                              for h in states], dim=-1)  # (B, S, T); ignored targets give 0
+        gate_logits = gate(torch.stack(states, dim=-2).detach())[..., 0].float()  # (B, S, T)
+        loss = adaptive_gate_loss(gate_logits, ce, targets != -100, k=args.gate_k, gamma=args.gate_gamma)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        log_scalars(accelerator, step + 1, loss.item(), args.gate_lr, prefix=f"{run}/gate/", loops=loops)
+        if (step + 1) % args.log_every == 0 or step + 1 == args.gate_steps:
+            logger.info(f"[{run} stage II] step {step + 1} gate_bce {loss.item():.4f} loops {loops} "
+                        f"({time.time() - t0:.0f}s)", main_process_only=True)
+    model.requires_grad_(True)
+    return model, time.time() - t0
+
+
 def plot(results, counts, train_loops, path):
     import matplotlib
 
@@ -343,7 +418,13 @@ def addition_demo(args, accelerator):
     results, seconds = {}, {}
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     for run in runs:
-        model, seconds[run] = train_addition(args, accelerator, tokenizer, run)
+        if args.gate_from is not None:
+            model, seconds[run] = OuroForCausalLM.from_pretrained(args.gate_from).float().to(accelerator.device), 0.0
+        else:
+            model, seconds[run] = train_addition(args, accelerator, tokenizer, run)
+        if args.gate_stage == 2:
+            model, gate_seconds = train_gate(args, accelerator, model, tokenizer, run)
+            seconds[run] += gate_seconds
         results[run] = {str(c): exact_match(model, eval_ids, eval_labels, c) for c in counts}
         if accelerator.is_main_process:  # staged: a kill here leaves a folder that does not load, never a mix
             with staged_folder(os.path.join(args.output_dir, run)) as stage:

@@ -488,7 +488,8 @@ class _SolveLoop:
     """The state of one ``solve``; ``run`` is the loop, the other methods its steps.
 
     Working rows are every entry, or fewer once ``compact`` drops finished samples (``gidx`` maps them to entries;
-    ``results`` holds the dropped rows' results). ``done`` marks working rows that converged or were halted (None
+    ``results`` lists the dropped rows' results, one ``(entries, out, out_res, nstep, conv)`` per drop, put in entry
+    order once at the end). ``done`` marks working rows that converged or were halted (None
     while all are open): their results sit in ``out`` / ``out_res`` / ``nstep`` / ``conv`` and their state is frozen
     at ``out``.
     """
@@ -520,6 +521,7 @@ class _SolveLoop:
         # eager_best: set once some row's residual went up (then the best iterate is updated every step)
         self.eager_best, self.minus_one = False, None
         self.gidx = self.results = None
+        self.n_done_w = 0  # done working rows, counted by _settle (what _compact of single-entry samples drops)
         self.all_done = False  # set by _settle when every entry is done
         self.wshape, self.wargs, self.Bw = shape, args, self.B
         self.trace = [] if opts.track_trace else None
@@ -539,14 +541,13 @@ class _SolveLoop:
                 break
             if k == max_iter:
                 break
-            z_next = algo.step(self.z, fz, gz, k)
+            self.z = algo.step(self.z, fz, gz, k)
+            if event and opts.compact:  # before the freeze: the rows it drops need none
+                self._compact()
             if self.done is not None:
                 if self.frozen is None:
                     self.frozen = self.done[:, None]
-                z_next = torch.where(self.frozen, self.out, z_next)
-            self.z = z_next
-            if event and opts.compact:
-                self._compact()
+                self.z = torch.where(self.frozen, self.out, self.z)
         return self._result(k, fz, res)
 
     def _evaluate(self):
@@ -649,7 +650,7 @@ class _SolveLoop:
             self.conv = self.done if self.conv is None else self.conv
             self.done = self.done | newly_halted
         self.frozen = None
-        n_done = int(self.done.sum())
+        n_done = self.n_done_w = int(self.done.sum())
         if self.gidx is not None:
             n_done += self.G - self.gidx.numel()
         self.all_done = n_done == self.G
@@ -665,42 +666,47 @@ class _SolveLoop:
     def _compact(self):
         """Drop the samples whose entries are all done from the working set, once they are at least a quarter of it:
         a drop costs a few small ops per buffer, about one evaluation of f on a small problem, so dropping one
-        sample at a time as the slow ones finish costs more than it saves (bench_solvers section 3)."""
+        sample at a time as the slow ones finish costs more than it saves (bench_solvers section 3). With one entry
+        per sample the count comes from ``_settle`` (no host sync here unless rows are dropped) and one stable sort
+        splits the rows; the dropped rows' results are kept as they are and put in entry order once, in
+        ``_result``."""
         gps, done, Bw = self.gps, self.done, self.Bw
-        keep = (~done).view(Bw, gps).any(1)
-        n_gone = Bw - int(keep.sum())
-        if 4 * n_gone < Bw or n_gone == 0:
-            return
-        keep_s = keep.nonzero()[:, 0]
-        if gps == 1:
-            rows, gone = keep_s, (~keep).nonzero()[:, 0]
+        if gps == 1:  # working rows are samples: _settle counted the done ones
+            n_gone = self.n_done_w
+            if 4 * n_gone < Bw or n_gone == 0:
+                return
+            order = torch.argsort(done.to(torch.uint8), stable=True)  # open rows first, both groups in order
+            keep_s = rows = order[:Bw - n_gone]
+            gone = order[Bw - n_gone:]
         else:
+            keep = (~done).view(Bw, gps).any(1)
+            n_gone = Bw - int(keep.sum())
+            if 4 * n_gone < Bw or n_gone == 0:
+                return
+            keep_s = keep.nonzero()[:, 0]
             rows = (keep_s[:, None] * gps + torch.arange(gps, device=done.device)).reshape(-1)
             gone = torch.ones_like(done)
             gone[rows] = False
             gone = gone.nonzero()[:, 0]
         if self.gidx is None:
-            z, res = self.z, self.out_res
-            self.gidx = torch.arange(self.G, device=z.device)
-            self.results = (z.new_empty(self.G, self.d), z.new_empty(self.G, dtype=res.dtype),
-                            torch.zeros(self.G, dtype=torch.long, device=z.device),
-                            torch.zeros(self.G, dtype=torch.bool, device=z.device))
-        for buf, val in zip(self.results, (self.out, self.out_res, self.nstep, self._converged())):
-            buf[self.gidx[gone]] = val[gone]
-        self.z, self.gidx = self.z[rows], self.gidx[rows]
+            self.gidx, self.results = torch.arange(self.G, device=done.device), []
+        self.results.append(tuple(t.index_select(0, gone) for t in (
+            self.gidx, self.out, self.out_res, self.nstep, self._converged())))
+        self.z, self.gidx = self.z.index_select(0, rows), self.gidx.index_select(0, rows)
         if gps == 1:  # every kept row is open: the working set starts afresh
             self.done = self.conv = self.out = self.out_res = self.nstep = None
+            self.n_done_w = 0
         else:
             self.done, self.out, self.out_res, self.nstep = (
-                t[rows] for t in (self.done, self.out, self.out_res, self.nstep))
-            self.conv = None if self.conv is None else self.conv[rows]
+                t.index_select(0, rows) for t in (self.done, self.out, self.out_res, self.nstep))
+            self.conv = None if self.conv is None else self.conv.index_select(0, rows)
             self.frozen = None
         if self.best is not None:
-            self.best, self.best_res = self.best[rows], self.best_res[rows]
+            self.best, self.best_res = self.best.index_select(0, rows), self.best_res.index_select(0, rows)
         self.algo.select(rows)
-        self.rmask = None if self.rmask is None else self.rmask[rows]
-        self.wargs = tuple(a[keep_s] if torch.is_tensor(a) and a.dim() > 0 and a.shape[0] == Bw else a
-                           for a in self.wargs)
+        self.rmask = None if self.rmask is None else self.rmask.index_select(0, rows)
+        self.wargs = tuple(a.index_select(0, keep_s) if torch.is_tensor(a) and a.dim() > 0 and a.shape[0] == Bw
+                           else a for a in self.wargs)
         self.Bw = keep_s.numel()
         self.wshape = (self.Bw,) + tuple(self.shape[1:])
 
@@ -718,10 +724,10 @@ class _SolveLoop:
             out = torch.where(done[:, None], out, src)
             out_res = torch.where(done, out_res, src_res)
             nstep = torch.where(done, nstep, k)
-        if self.gidx is not None:
-            for buf, val in zip(self.results, (out, out_res, nstep, conv)):
-                buf[self.gidx] = val
-            out, out_res, nstep, conv = self.results
+        if self.gidx is not None:  # the dropped rows' results and the working rows', in entry order
+            parts = self.results + [(self.gidx, out, out_res, nstep, conv)]
+            order = torch.argsort(torch.cat([p[0] for p in parts]))
+            out, out_res, nstep, conv = (torch.cat([p[i] for p in parts]).index_select(0, order) for i in range(1, 5))
         entry_shape = self.shape[:opts.batch_dims]
         if opts.batch_dims > 1:  # a view costs about as much as a small op: only where the shape changes
             nstep, out_res, conv = (t.view(entry_shape) for t in (nstep, out_res, conv))

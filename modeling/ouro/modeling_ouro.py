@@ -159,6 +159,35 @@ def exit_distribution(gate_logits: torch.Tensor) -> torch.Tensor:
     return torch.cat([lam[..., :-1] * before[..., :-1], before[..., -1:]], dim=-1)
 
 
+def adaptive_gate_loss(gate_logits, loop_losses, valid=None, k: float = 50.0, gamma: float = 0.005) -> torch.Tensor:
+    """Ouro's stage-II gate loss (LM frozen, gate only), from the per-token LM losses of every loop.
+
+    With ``L^(t)`` the loss of stopping at loop ``t`` (``loop_losses[..., t - 1]``, 1-based ``t``), the improvement of
+    loop ``t`` is ``I^(t) = max(0, L^(t-1) - L^(t))`` and the target continuation probability ``w^(t) = sigmoid(k *
+    (I^(t) - gamma))``: a loop that still improved the loss by more than ``gamma`` says "continue". The gate's exit
+    probability at loop ``t``, ``lambda^(t) = sigmoid(gate_logits[..., t - 1])``, is trained by ``BCE(1 - lambda^(t),
+    w^(t))``, averaged over ``t = 2..T`` and the ``valid`` tokens. The losses are targets, not differentiated.
+
+    Args:
+        gate_logits: ``(..., T)`` gate logits of the loops.
+        loop_losses: ``(..., T)`` per-token LM loss of decoding each loop (e.g. cross-entropy of the next token).
+        valid: ``(...)`` bool, the tokens that count (default all).
+        k, gamma: sharpness and improvement threshold of the target (the paper's, as reimplemented: 50 and 0.005).
+    """
+    if gate_logits.shape != loop_losses.shape or gate_logits.shape[-1] < 2:
+        raise ValueError(f"gate_logits {tuple(gate_logits.shape)} and loop_losses {tuple(loop_losses.shape)} must "
+                         "have the same shape (..., T) with T >= 2 loops.")
+    losses = loop_losses.detach().to(gate_logits.dtype)
+    improvement = (losses[..., :-1] - losses[..., 1:]).clamp_min(0.0)  # I^(t), t = 2..T
+    target = torch.sigmoid(k * (improvement - gamma))
+    # BCE(1 - lambda, w) with 1 - lambda = sigmoid(-g), in the logits form (stable for saturated gates)
+    bce = F.binary_cross_entropy_with_logits(-gate_logits[..., 1:], target, reduction="none").mean(-1)
+    if valid is None:
+        return bce.mean()
+    valid = valid.to(bce.device)
+    return (bce * valid).sum() / valid.sum().clamp_min(1)
+
+
 class ExitRule:
     """Ouro's exit rules, applied loop by loop: ``rule(gate, previous, current)`` after loop ``t`` (0-based) gives the
     ``(B, S)`` tokens whose rule fires there (None when no rule is set), from the loop's gate logits ``(B, S, 1)``
@@ -200,6 +229,14 @@ def exit_loops(gate_logits, states, threshold=None, tol=None) -> torch.Tensor:
         if fire is not None:
             index = torch.where(fire & (index == loops - 1), torch.full_like(index, t), index)
     return index
+
+
+def _put_running(target, index, values):
+    """``target`` ``(B, S, ...)`` with the entries of the running tokens ``index = (b, s)`` replaced by ``values``
+    ``(N, ...)`` (out of place; decoding, ``S = 1``, through ``index_copy``, cheaper than an indexed put)."""
+    if target.shape[1] == 1:
+        return target.index_copy(0, index[0], values[:, None].to(target.dtype))
+    return target.index_put(index, values.to(target.dtype))
 
 
 def _mixture(loop_logits, pdf):
@@ -376,9 +413,9 @@ class OuroModel(OuroPreTrainedModel):
                 gates += [gates[-1]] * (loops - t)
                 break
             else:
-                new = self._loop_running(hidden_states, active, position_embeddings, cache, t * num_layers, keymask)
-                gate = gates[-1].clone()  # an exited token's state, hence its gate, is frozen
-                gate[active] = self.early_exit_gate(new[active])
+                new, index, x = self._loop_running(hidden_states, active, position_embeddings, cache, t * num_layers,
+                                                   keymask)
+                gate = _put_running(gates[-1], index, self.early_exit_gate(x))  # an exited token's gate is frozen
             states.append(new)
             gates.append(gate)
             fire = rule(gate, hidden_states if t else None, new) if t < loops - 1 else None
@@ -397,11 +434,13 @@ class OuroModel(OuroPreTrainedModel):
 
     def _loop_running(self, hidden_states, active, position_embeddings, cache, offset, keymask):
         """One loop for the running tokens (``active``, ``(B, S)``) only, gathered; the others keep their state, and
-        their cache entries of this loop are copies of their latest ones (those of their exit loop)."""
+        their cache entries of this loop are copies of their latest ones (those of their exit loop). Returns the new
+        states ``(B, S, D)``, the running tokens' index ``(b, s)`` and their new states ``(N, D)``. ``keymask`` None:
+        decoding without padding (every query sees every key)."""
         batch, seq = active.shape
         b, s = active.nonzero(as_tuple=True)  # (N,) running tokens, row-major
         if seq == 1:  # decoding: one query per running row, no packing (valid=None)
-            rows, valid, allowed = b, None, keymask[b]
+            rows, valid, allowed = b, None, None if keymask is None else keymask[b]
         else:
             rows = active.any(-1).nonzero().squeeze(-1)  # (R,) rows with a running token
             counts = active[rows].sum(-1)
@@ -410,15 +449,19 @@ class OuroModel(OuroPreTrainedModel):
             order = torch.sort((~active[rows]).to(torch.uint8), dim=-1, stable=True).indices[:, :width]
             valid = torch.arange(width, device=active.device) < counts[:, None]
             allowed = keymask[rows].gather(1, order[..., None].expand(-1, -1, keymask.shape[-1])) | ~valid[..., None]
-        rope = tuple(x.expand(batch, seq, -1)[b, s] for x in position_embeddings)  # (N, head_dim) each
-        x = hidden_states[b, s]  # (N, D)
+        if seq == 1:  # decoding: index_select (one query per row) is cheaper than advanced indexing
+            # rotary embeddings (N or 1, head_dim): shared by every row when the positions are (no padding)
+            rope = tuple(x[:, 0] if x.shape[0] == 1 else x[:, 0].index_select(0, b) for x in position_embeddings)
+            x = hidden_states[:, 0].index_select(0, b)  # (N, D)
+        else:
+            rope = tuple(x.expand(batch, seq, -1)[b, s] for x in position_embeddings)  # (N, head_dim) each
+            x = hidden_states[b, s]  # (N, D)
         for layer_idx, layer in enumerate(self.layers):
             attend = partial(self._attend_running, cache=cache, slot=offset + layer_idx, seq=seq, index=(b, s),
                              rows=rows, valid=valid, allowed=allowed, rope=rope)
             x = layer(x, attend=attend)
-        new = hidden_states.clone()
-        new[b, s] = self.norm(x)
-        return new
+        x = self.norm(x)
+        return _put_running(hidden_states, (b, s), x), (b, s), x
 
     def _attend_running(self, attn, x, cache, slot, seq, index, rows, valid, allowed, rope):
         """Attention of the running tokens ``x`` ``(N, D)`` (already normed) of a call of ``seq`` tokens: slot
@@ -430,15 +473,22 @@ class OuroModel(OuroPreTrainedModel):
         v = attn.v_proj(x).view(n, -1, head_dim)
         q, k = apply_rotary_pos_emb(q, k, *rope, unsqueeze_dim=1)
         latest = cache.layers[slot - len(self.layers)]  # this layer, previous loop: (B, H_kv, past + S, head_dim)
-        keys, values = latest.keys[:, :, -seq:].clone(), latest.values[:, :, -seq:].clone()
-        keys[index[0], :, index[1]] = k
-        values[index[0], :, index[1]] = v
-        keys, values = cache.update(keys, values, slot)
-        keys = repeat_kv(keys[rows], attn.num_key_value_groups)
-        values = repeat_kv(values[rows], attn.num_key_value_groups)
+        if valid is None:  # decoding, one query per running row: index_copy / index_select (cheaper than indexing)
+            keys = latest.keys[:, :, -1:].index_copy(0, index[0], k[:, :, None])
+            values = latest.values[:, :, -1:].index_copy(0, index[0], v[:, :, None])
+            keys, values = cache.update(keys, values, slot)
+            keys = repeat_kv(keys.index_select(0, rows), attn.num_key_value_groups)
+            values = repeat_kv(values.index_select(0, rows), attn.num_key_value_groups)
+        else:
+            keys, values = latest.keys[:, :, -seq:].clone(), latest.values[:, :, -seq:].clone()
+            keys[index[0], :, index[1]] = k
+            values[index[0], :, index[1]] = v
+            keys, values = cache.update(keys, values, slot)
+            keys = repeat_kv(keys[rows], attn.num_key_value_groups)
+            values = repeat_kv(values[rows], attn.num_key_value_groups)
         if valid is None:  # one query per row: (N, H, 1, head_dim)
-            out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=allowed[:, None],
-                                                 scale=attn.scaling)
+            out = F.scaled_dot_product_attention(q[:, :, None], keys, values, scale=attn.scaling,
+                                                 attn_mask=None if allowed is None else allowed[:, None])
             return attn.o_proj(out.reshape(n, -1))
         query = q.new_zeros(*valid.shape, *q.shape[1:])
         query[valid] = q  # (R, width, H, head_dim)
@@ -525,7 +575,11 @@ class OuroModel(OuroPreTrainedModel):
         batch, seq = inputs_embeds.shape[:2]
         exit_loop, ran = None, torch.full((batch, seq), loops, device=inputs_embeds.device)  # loops run per token
         if skip:
-            keymask = running_key_mask(attention_mask, batch, seq, past, inputs_embeds.device)
+            if seq == 1 and (attention_mask is None or (torch.is_tensor(attention_mask) and attention_mask.dim() == 2
+                                                         and bool(attention_mask.all()))):
+                keymask = None  # decoding without padding: every query sees every key, no mask needed
+            else:
+                keymask = running_key_mask(attention_mask, batch, seq, past, inputs_embeds.device)
             states, gates, exit_loop = self._loops_with_exit(inputs_embeds, loops, mask, position_embeddings, cache,
                                                              keymask, threshold, tol, **kwargs)
             ran = exit_loop + 1
@@ -728,4 +782,4 @@ class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
 
 
 __all__ = ["ExitRule", "LoopDepthWarning", "OuroCausalLMOutput", "OuroForCausalLM", "OuroModel", "OuroModelOutput",
-           "OuroPreTrainedModel", "exit_distribution", "exit_loops", "loop_change"]
+           "OuroPreTrainedModel", "adaptive_gate_loss", "exit_distribution", "exit_loops", "loop_change"]

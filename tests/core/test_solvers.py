@@ -338,3 +338,29 @@ def test_token_linf_row_mask_leaves_padding_out_float64():
     torch.testing.assert_close(z[:, :2], (2 * b).expand(2, 2, 2), rtol=1e-9, atol=1e-9)
     with pytest.raises(ValueError, match="row_mask must be a bool tensor of shape"):
         solve(f, z0, solver="picard", norm="l2", row_mask=mask)
+
+
+@pytest.mark.parametrize("batch_dims", [1, 2])
+def test_compaction_in_several_drops_matches_no_compaction(batch_dims):
+    # Samples converge at many different steps, in scrambled order: the working set shrinks several times and the
+    # dropped rows' results (kept per drop) must come back in entry order, equal to the solve without compaction.
+    g = torch.Generator().manual_seed(1)
+    W = torch.randn(6, 6, generator=g, dtype=torch.float64)
+    W = W / torch.linalg.matrix_norm(W, 2)
+    scale = torch.tensor([0.9, 0.05, 0.6, 0.3, 0.95, 0.1, 0.8, 0.45, 0.7, 0.2, 0.85, 0.5], dtype=torch.float64)
+    x = torch.randn(12, 3, 6, generator=g, dtype=torch.float64)
+    sizes = []
+
+    def f(z, s, xx):
+        sizes.append(z.shape[0])
+        return torch.tanh(s[:, None, None] * (z @ W.T) + xx)
+
+    kw = dict(args=(scale, x), solver="picard", tol=1e-10, max_iter=300, batch_dims=batch_dims)
+    z0 = torch.zeros(12, 3, 6, dtype=torch.float64)
+    z1, s1 = solve(f, z0, **kw)
+    sizes.clear()
+    z2, s2 = solve(f, z0, compact=True, **kw)
+    assert len(set(sizes)) >= 4 and sizes[-1] < 4  # several drops
+    torch.testing.assert_close(z1, z2, rtol=0, atol=1e-12)
+    assert torch.equal(s1.nstep, s2.nstep) and torch.equal(s1.converged, s2.converged)
+    torch.testing.assert_close(s1.residual, s2.residual, rtol=1e-9, atol=1e-15)

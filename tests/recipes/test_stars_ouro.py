@@ -138,6 +138,15 @@ def test_finetune_two_process_cpu_ddp(pretrained, tmp_path):
     (["--max_steps", "0"], "--max_steps must be >= 1"),
     (["--exit_loss", "mean"], "--exit_loss='mean': allowed values are expected_logits, expected_loss, last"),
     (["--entropy_weight", "-1"], "--entropy_weight must be >= 0"),
+    (["--gate_stage", "3"], "--gate_stage=3: allowed values are 1"),
+    (["--gate_from", "x"], "--gate_from needs --gate_stage 2"),
+    (["--gate_stage", "2", "--model", "x", "--dataset", "y"], "--gate_stage 2 runs in the addition demo"),
+    (["--gate_stage", "2", "--gate_from", "x"], "--gate_from takes one --runs name"),
+    (["--gate_stage", "2", "--gate_steps", "0"], "--gate_steps must be >= 1"),
+    (["--gate_stage", "2", "--gate_loops", "1"], "--gate_loops must be >= 2"),
+    (["--gate_stage", "2", "--gate_k", "0"], "--gate_k must be > 0"),
+    (["--gate_stage", "2", "--gate_lr", "-1"], "--gate_lr must be > 0"),
+    (["--gate_stage", "2", "--gate_gamma", "-0.1"], "--gate_gamma must be >= 0"),
 ])
 def test_bad_flags(flags, message):
     from recipes.stars_ouro import main
@@ -168,3 +177,40 @@ def test_finetune_killed_in_a_later_epoch_and_resumed_ends_with_the_uninterrupte
     assert_survives_kills(run, tmp_path, [lambda mp: kill_during_save(mp, 4),
                                           lambda mp: kill_in(mp, stars_ouro, "staged_folder")],
                           torn="checkpoints/step_4", weights="final/model.safetensors")
+
+
+def test_stage_two_trains_the_gate_alone_on_a_saved_model(tmp_path):
+    """--gate_stage 2 --gate_from DIR: the LM weights are those of DIR, the gate moved, and its BCE fell."""
+    from hf_fixedpoint.modeling import OuroConfig, OuroForCausalLM
+    from recipes.stars_ouro import char_tokenizer, main
+
+    tok = char_tokenizer()
+    torch.manual_seed(0)
+    model = OuroForCausalLM(OuroConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                                       total_ut_steps=2, initializer_range=0.2, pad_token_id=tok.pad_token_id))
+    model.save_pretrained(tmp_path / "lm")
+    out = tmp_path / "out"
+    logs = []
+    import logging
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            logs.append(record.getMessage())
+
+    handler = Keep()
+    logging.getLogger("recipes.stars_ouro").addHandler(handler)
+    logging.getLogger("recipes.stars_ouro").setLevel(logging.INFO)
+    try:
+        main(["--gate_stage", "2", "--gate_from", str(tmp_path / "lm"), "--runs", "stars", "--output_dir", str(out),
+              "--gate_steps", "40", "--gate_lr", "0.05", "--gate_loops", "4", "--batch_size", "16", "--eval_size",
+              "8", "--eval_loops", "2", "--log_every", "1"])
+    finally:
+        logging.getLogger("recipes.stars_ouro").removeHandler(handler)
+    bce = [float(m.split("gate_bce ")[1].split()[0]) for m in logs if "stage II] step" in m]
+    assert len(bce) == 40 and sum(bce[-5:]) < sum(bce[:5])
+    trained = OuroForCausalLM.from_pretrained(out / "stars")
+    before, after = model.state_dict(), trained.state_dict()
+    for name, value in before.items():
+        same = torch.equal(value, after[name])
+        assert same != name.startswith("model.early_exit_gate."), name

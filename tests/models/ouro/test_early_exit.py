@@ -3,13 +3,15 @@ no exit fires, the cache against a reference built by the documented rule (every
 token's state is frozen and its later cache entries are copies of its exit loop's), the reported exit loops and
 FLOPs, and bad input."""
 
+import math
+
 import pytest
 import torch
 from transformers import DynamicCache, StaticCache
 
 from hf_fixedpoint.modeling import OuroConfig, OuroForCausalLM
 from hf_fixedpoint.modeling.ouro.fp_compat import create_causal_mask
-from hf_fixedpoint.modeling.ouro.modeling_ouro import ExitRule
+from hf_fixedpoint.modeling.ouro.modeling_ouro import ExitRule, adaptive_gate_loss
 
 TINY = {"vocab_size": 99, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "max_position_embeddings": 64, "total_ut_steps": 4, "pad_token_id": 0,
@@ -178,3 +180,27 @@ def test_exit_settings_are_validated_and_load_time_overrides_apply(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids, exit_mode="skip", exit_threshold=0.6,
                                                              exit_tol=0.3).logits)
+
+
+def test_adaptive_gate_loss_is_the_stage_two_bce_float64():
+    """BCE(1 - lambda_t, sigmoid(k (max(0, L_{t-1} - L_t) - gamma))) over t = 2..T, by hand."""
+    gate = torch.tensor([[[0.3, -1.2, 2.0], [1.0, 0.5, -0.5]]], dtype=torch.float64, requires_grad=True)  # (1, 2, 3)
+    losses = torch.tensor([[[2.0, 1.0, 0.999], [0.5, 0.7, 0.69]]], dtype=torch.float64, requires_grad=True)
+    k, gamma = 50.0, 0.005
+
+    def bce(g, improvement):
+        lam, w = 1 / (1 + math.exp(-g)), 1 / (1 + math.exp(-k * (improvement - gamma)))
+        return -(w * math.log(1 - lam) + (1 - w) * math.log(lam))
+
+    # token 0: loop 2 improves by 1.0 (continue), loop 3 by 0.001 (< gamma: exit); token 1: no improvement, then 0.01
+    tok0 = (bce(-1.2, 1.0) + bce(2.0, 0.001)) / 2
+    tok1 = (bce(0.5, 0.0) + bce(-0.5, 0.01)) / 2
+    loss = adaptive_gate_loss(gate, losses, k=k, gamma=gamma)
+    assert loss.item() == pytest.approx((tok0 + tok1) / 2, rel=1e-12)
+    masked = adaptive_gate_loss(gate, losses, torch.tensor([[False, True]]), k=k, gamma=gamma)
+    assert masked.item() == pytest.approx(tok1, rel=1e-12)
+    loss.backward()
+    assert losses.grad is None  # the LM losses are targets
+    assert gate.grad[..., 0].abs().max() == 0 and gate.grad[..., 1:].abs().min() > 0  # loop 1 has no target
+    with pytest.raises(ValueError, match="T >= 2 loops"):
+        adaptive_gate_loss(gate[..., :1], losses[..., :1])
