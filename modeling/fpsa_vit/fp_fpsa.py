@@ -363,14 +363,18 @@ def _open_tokens_attention(o, res, tokens, stale, value, mask, keys, state, quer
     z_pad = z_open.new_zeros(samples.numel(), width, z_open.shape[-1])
     z_pad[row, slot] = z_open
     q = query(z_pad)
+    every = samples.numel() == o.shape[0]  # every sample has an open token: no need to gather the samples' rows
     if mask is not None:
-        mask = mask[samples] if mask.shape[0] > 1 else mask.expand(samples.numel(), *mask.shape[1:])
+        mask = mask if every and mask.shape[0] > 1 else (
+            mask[samples] if mask.shape[0] > 1 else mask.expand(samples.numel(), *mask.shape[1:]))
         if mask.shape[-2] > 1:  # per-query rows: take each packed query's own row (padding rows repeat row 0)
             t_pad = torch.zeros(samples.numel(), width, dtype=torch.long, device=o.device)
             t_pad[row, slot] = t_idx
             index = t_pad[:, None, :, None].expand(-1, mask.shape[1], -1, mask.shape[-1])
             mask = torch.gather(mask, 2, index)
-    out = attend(q, keys[samples], value[samples], mask)  # (samples, width, H, d)
+    if not every:
+        keys, value = keys[samples], value[samples]
+    out = attend(q, keys, value, mask)  # (samples, width, H, d)
     new = o.clone()
     new[b_idx, t_idx] = out[row, slot].to(o.dtype)
     return new

@@ -15,10 +15,10 @@ def test_rid_and_vit_smoke_with_knobs(tmp_path, capsys):
                     "--set", "fpsa_jac_weight=2.5", "--set", "fp_max_iter=5", "--json", str(out_file)])
     rid, vit = results["rid/seed0"], results["vit/seed0"]
     assert set(rid) == {"TF-1L", "FPSA-1L"} and set(vit) == {"ViT", "FPSA-ViT", "ViT (matched time)"}
-    for row in (rid["FPSA-1L"], vit["FPSA-ViT"]):
+    for row, unit in ((rid["FPSA-1L"], "state"), (vit["FPSA-ViT"], "head")):  # RID's default: the state rule
         assert 1 <= row["median"] <= row["p90"] <= row["p99"] <= 100 and 0 <= row["cap_hit"] <= 1
-        assert row["unit"] == "head" and set(row["by_unit"]) == {"head", "token", "state"}
-        assert row["by_unit"]["head"]["median"] == row["median"]
+        assert row["unit"] == unit and set(row["by_unit"]) == {"head", "token", "state"}
+        assert row["by_unit"][unit]["median"] == row["median"]
     assert set(rid["FPSA-1L"]["by_K"]) == {0, 1, 2, 4}
     saved = json.loads(out_file.read_text())
     assert saved["knobs"] == {"fpsa_jac_weight": 2.5, "fp_max_iter": 5}
