@@ -15,7 +15,8 @@ What it does, top to bottom:
    of the parameters used for evaluation and export;
 4. periodic evaluation (``hf_fixedpoint.puzzles.evaluation``): exact (whole-sequence) accuracy and per-cell accuracy
    both pooled over all scored cells (``cell_accuracy_pooled``) and as the mean of each puzzle's fraction
-   (``cell_accuracy_per_puzzle``, the research code's ``accuracy``); rows with no scored label are left out;
+   (``cell_accuracy_per_puzzle``, the research code's ``accuracy``), and pooled over the cells whose label differs
+   from the input (``cell_accuracy_changed``: Sudoku's blank cells); rows with no scored label are left out;
    iterations used versus difficulty (A5 length, Sudoku backtracks) and, for ARC, pass@1/2 after voting over the
    augmented copies (ties broken by ``sigmoid(q_halt)``). FPRM is evaluated with one full solve per puzzle
    (adaptive iterations); TRM and URM run ``halt_max_steps`` supervision steps, and their iterations are counted
@@ -54,6 +55,7 @@ from hf_fixedpoint.puzzles.common import check_identifiers
 from hf_fixedpoint.puzzles.evaluation import (
     arc_pass_at_k,
     cell_accuracy,
+    changed_labels,
     exact_accuracy,
     format_table,
     iterations_vs_difficulty,
@@ -308,7 +310,7 @@ def evaluate(model, ds, meta, args, device, blank_id=False):
     """Exact and cell accuracy, iterations used versus difficulty and, for ARC, pass@k with augmentation voting;
     ``blank_id``: every row's puzzle id replaced by the blank id 0."""
     model.eval()
-    preds, labels, scores, iters = [], [], [], []
+    preds, labels, scores, iters, inputs = [], [], [], [], []
     for b in progress_bar(batches(ds, args.eval_batch_size, device, shuffle=False, drop_last=False), "eval",
                           total=-(-len(ds) // args.eval_batch_size), leave=False):
         if blank_id:
@@ -320,14 +322,16 @@ def evaluate(model, ds, meta, args, device, blank_id=False):
             out, used = supervised_eval(model, b, device, model.config.halt_max_steps + args.eval_extra_steps)
         preds.append(out.logits.argmax(-1).cpu())
         labels.append(b["labels"].cpu())
+        inputs.append(b["inputs"].cpu())
         scores.append(torch.sigmoid(out.q_halt_logits).cpu())
         iters.append(used.cpu())
-    preds, labels, scores, iters = (torch.cat(t) for t in (preds, labels, scores, iters))
+    preds, labels, scores, iters, inputs = (torch.cat(t) for t in (preds, labels, scores, iters, inputs))
     scored = scored_rows(labels)  # rows with no scored label are left out of every metric, as in the research code
     correct = sequence_correct(preds, labels)
     result = {"exact_accuracy": exact_accuracy(preds, labels),
               "cell_accuracy_pooled": cell_accuracy(preds, labels, average="pooled"),
               "cell_accuracy_per_puzzle": cell_accuracy(preds, labels, average="per_puzzle"),
+              "cell_accuracy_changed": cell_accuracy(preds, changed_labels(inputs, labels), average="pooled"),
               "iterations_mean": iters.float().mean().item(), "num_puzzles": len(preds)}
     if meta.difficulty and meta.difficulty in ds.column_names:
         difficulty = np.asarray(ds[meta.difficulty])
@@ -424,7 +428,8 @@ def main(argv=None):
                            if k in r.get("blank_id", {}))
             accelerator.print(f"eval step {step} {name}: exact {r['exact_accuracy']:.3f} cell (pooled) "
                               f"{r['cell_accuracy_pooled']:.3f} cell (per-puzzle mean) "
-                              f"{r['cell_accuracy_per_puzzle']:.3f} iterations {r['iterations_mean']:.1f}{arc}")
+                              f"{r['cell_accuracy_per_puzzle']:.3f} cell (changed) {r['cell_accuracy_changed']:.3f} "
+                              f"iterations {r['iterations_mean']:.1f}{arc}")
             if "iterations_vs_difficulty" in r:
                 accelerator.print(format_table(r["iterations_vs_difficulty"]))
 

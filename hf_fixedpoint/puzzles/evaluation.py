@@ -77,6 +77,16 @@ def cell_accuracy(predictions, labels, ignore_label_id: int = IGNORE_LABEL_ID, a
     return float((hits[scored] / counts[scored]).mean())
 
 
+def changed_labels(inputs, labels, ignore_label_id: int = IGNORE_LABEL_ID) -> np.ndarray:
+    """``labels`` with every position whose label equals the input set to ``ignore_label_id``: only the cells the
+    model has to change stay scored (Sudoku: the blank cells; the givens are copied). Pass the result to
+    :func:`cell_accuracy` / :func:`exact_accuracy` in place of ``labels``."""
+    inputs, labels = _np(inputs), _np(labels)
+    if inputs.shape != labels.shape:
+        raise ValueError(f"inputs shape {inputs.shape} != labels shape {labels.shape}.")
+    return np.where(inputs == labels, ignore_label_id, labels)
+
+
 def _key(grid: np.ndarray):
     return grid.shape, grid.astype(np.int8).tobytes()
 

@@ -115,32 +115,46 @@ def solve(grid, limit: int = 2) -> Tuple[int, Optional[List[int]], int]:
     return s.count, s.solution, s.backtracks
 
 
-def generate(rng: random.Random, min_difficulty: int = 0, max_tries: int = 10000):
-    """One minimal puzzle with a unique solution and difficulty >= ``min_difficulty``.
+MAX_BLANKS = 64  # 17 clues: the fewest any unique Sudoku has
+
+
+def generate(rng: random.Random, min_difficulty: int = 0, max_tries: int = 10000, num_blanks: Optional[int] = None):
+    """One unique puzzle with difficulty >= ``min_difficulty``: minimal, or with exactly ``num_blanks`` blank cells.
 
     A random full grid (randomised search on the empty grid), then clues removed in random order while the
     solution stays unique: removing cell ``i`` (digit ``v``) keeps uniqueness iff no solution has ``grid[i] != v``,
     one satisfiability search instead of a count. That search tries the known solution's digits first: another
-    solution, where there is one, usually differs from it in a few cells only.
+    solution, where there is one, usually differs from it in a few cells only. Without ``num_blanks`` every cell is
+    tried (a minimal puzzle, typically 55-60 blanks); with it, removal stops at ``num_blanks`` blanks (1 ..
+    ``MAX_BLANKS``; fewer blanks = easier), and a grid whose removals stop short of it is replaced by a new one.
     Returns ``(puzzle, solution, difficulty)`` as lists of 81 ints.
     """
+    if num_blanks is not None:
+        check_number(num_blanks, "num_blanks", low=1, high=MAX_BLANKS, integer=True)
     for _ in range(max_tries):
         solution = _Search([0] * 81, rng=rng).run(1).solution
-        puzzle = list(solution)
+        puzzle, blanks = list(solution), 0
         order = list(range(81))
         rng.shuffle(order)
         for i in order:
+            if blanks == num_blanks:
+                break
             v, puzzle[i] = puzzle[i], 0
             if _Search(puzzle, forbid=(i, v), prefer=solution).run(1).count:
                 puzzle[i] = v
+            else:
+                blanks += 1
+        if num_blanks is not None and blanks < num_blanks:
+            continue
         difficulty = _Search(puzzle).run(2).backtracks
         if difficulty >= min_difficulty:
             return puzzle, solution, difficulty
-    raise RuntimeError(f"no puzzle with difficulty >= {min_difficulty} in {max_tries} tries; lower min_difficulty.")
+    wanted = f"difficulty >= {min_difficulty}" + ("" if num_blanks is None else f" and {num_blanks} blanks")
+    raise RuntimeError(f"no puzzle with {wanted} in {max_tries} tries; lower min_difficulty or num_blanks.")
 
 
-def _generate_seeded(seed: int, min_difficulty: int):
-    return generate(random.Random(seed), min_difficulty)
+def _generate_seeded(seed: int, min_difficulty: int, num_blanks: Optional[int] = None):
+    return generate(random.Random(seed), min_difficulty, num_blanks=num_blanks)
 
 
 def _unit_indices() -> np.ndarray:
@@ -258,12 +272,14 @@ def _parse_grids(path, strings, alphabet: str, column: str) -> np.ndarray:
 @register_task("sudoku")
 def build_sudoku(split: str, *, seed: int = 0, num_puzzles: Optional[int] = None, min_difficulty: int = 0,
                  num_aug: int = 0, csv_path: Optional[str] = None, subsample: Optional[int] = None,
-                 num_proc: int = 1):
+                 num_proc: int = 1, num_blanks: Optional[int] = None):
     """Generated (default) or CSV-loaded Sudoku.
 
     Generated: ``num_puzzles`` (default 1000) minimal unique puzzles with difficulty >= ``min_difficulty`` (train
     and test come from independent random streams; puzzle ``k`` depends only on the seed and ``k``, so ``num_proc``
-    worker processes give the same data and a larger ``num_puzzles`` extends a smaller one).
+    worker processes give the same data and a larger ``num_puzzles`` extends a smaller one). ``num_blanks``: every
+    generated puzzle has exactly that many blank cells (1 .. 64; None: minimal puzzles) -- the difficulty control
+    for small models (10 blanks fall to naked singles; minimal puzzles need search).
     ``csv_path``: read the official ``train.csv``/``test.csv`` instead, keeping the rows with ``rating >=
     min_difficulty`` (the research code's ``--min-difficulty``; a file without a ``rating`` column only allows
     ``min_difficulty=0``); ``subsample`` then keeps that many random rows of those (seeded; the research code's
@@ -275,12 +291,17 @@ def build_sudoku(split: str, *, seed: int = 0, num_puzzles: Optional[int] = None
     check_number(num_aug, "num_aug", low=0, integer=True)
     check_number(min_difficulty, "min_difficulty", low=0, integer=True)
     check_number(num_proc, "num_proc", low=1, integer=True)
+    if num_blanks is not None:
+        check_number(num_blanks, "num_blanks", low=1, high=MAX_BLANKS, integer=True)
     rng = split_rng("sudoku", split, seed)
     if csv_path is not None:
         if num_puzzles is not None:
             raise ValueError(f"num_puzzles={num_puzzles!r} only applies to generated Sudoku; with csv_path use "
                              "subsample=N for N random rows (the research code's --subsample-size), or leave "
                              "num_puzzles out for every row.")
+        if num_blanks is not None:
+            raise ValueError(f"num_blanks={num_blanks!r} only applies to generated Sudoku; drop it with csv_path "
+                             "(filter CSV rows by min_difficulty).")
         puzzles, solutions, difficulty = load_sudoku_csv(csv_path)
         if min_difficulty > 0:
             if (difficulty < 0).all():
@@ -301,7 +322,7 @@ def build_sudoku(split: str, *, seed: int = 0, num_puzzles: Optional[int] = None
                              "num_puzzles.")
         num_puzzles = 1000 if num_puzzles is None else num_puzzles
         check_number(num_puzzles, "num_puzzles", low=1, integer=True)
-        jobs = [(int(s), min_difficulty) for s in rng.integers(2**63, size=num_puzzles)]
+        jobs = [(int(s), min_difficulty, num_blanks) for s in rng.integers(2**63, size=num_puzzles)]
         if num_proc > 1:
             with multiprocessing.Pool(num_proc) as pool:
                 made = pool.starmap(_generate_seeded, jobs, chunksize=16)

@@ -6,6 +6,7 @@ import torch
 
 from hf_fixedpoint.puzzles import (
     cell_accuracy,
+    changed_labels,
     exact_accuracy,
     format_table,
     iterations_vs_difficulty,
@@ -16,6 +17,19 @@ from hf_fixedpoint.puzzles import (
 
 LABELS = np.array([[1, 2, 3, -100], [4, 5, -100, -100], [7, 8, 9, 1]])
 PREDS = np.array([[1, 2, 3, 0], [4, 6, 0, 0], [7, 8, 0, 0]])
+
+
+def test_changed_labels_score_only_the_cells_to_fill_in():
+    inputs = np.array([[1, 5, 1, 7], [1, 1, 1, 1]])  # Sudoku-style: 1 = blank, givens equal their labels
+    labels = np.array([[3, 5, 4, 7], [2, 3, 4, -100]])
+    preds = np.array([[3, 5, 9, 7], [2, 3, 4, 0]])
+    changed = changed_labels(inputs, labels)
+    assert changed.tolist() == [[3, -100, 4, -100], [2, 3, 4, -100]]
+    assert cell_accuracy(preds, changed) == pytest.approx(4 / 5)  # givens, right anyway, are left out
+    assert cell_accuracy(preds, labels) == pytest.approx(6 / 7)
+    assert changed_labels(torch.tensor(inputs), torch.tensor(labels)).tolist() == changed.tolist()
+    with pytest.raises(ValueError, match="inputs shape"):
+        changed_labels(inputs[:, :3], labels)
 
 
 def test_accuracies_ignore_unscored_positions():

@@ -239,3 +239,30 @@ def test_csv_loader_rejects_inconsistent_and_unsolvable(tmp_path):
     with pytest.raises(ValueError, match="no puzzles"):
         (tmp_path / "n.csv").write_text("source,q,a,rating\n")
         load_sudoku_csv(tmp_path / "n.csv")
+
+
+def test_num_blanks_gives_exact_blank_counts_and_unique_solutions():
+    for blanks in (1, 30, 50):
+        puzzle, solution, difficulty = generate(random.Random(blanks), num_blanks=blanks)
+        assert puzzle.count(0) == blanks
+        assert exact_cover_count(puzzle) == (1, solution)  # unique, checked independently
+        assert all(p in (0, s) for p, s in zip(puzzle, solution))
+        assert solve(puzzle) == (1, solution, difficulty)
+
+
+def test_num_blanks_dataset_is_deterministic_and_validated():
+    a, meta = build_dataset("sudoku", "train", seed=3, num_puzzles=4, num_blanks=25)
+    b, _ = build_dataset("sudoku", "train", seed=3, num_puzzles=4, num_blanks=25)
+    c, _ = build_dataset("sudoku", "train", seed=4, num_puzzles=4, num_blanks=25)
+    inputs = np.array(a["inputs"])
+    assert (inputs == 1).sum(axis=1).tolist() == [25] * 4  # token 1 = blank
+    assert a["inputs"] == b["inputs"] and a["labels"] == b["labels"] and a["inputs"] != c["inputs"]
+    for row in inputs - 1:
+        assert exact_cover_count(list(row))[0] == 1
+    for bad in (0, 65, 2.5, True):
+        with pytest.raises(ValueError, match="num_blanks"):
+            build_dataset("sudoku", "train", num_puzzles=1, num_blanks=bad)
+    with pytest.raises(ValueError, match="num_blanks"):
+        generate(random.Random(0), num_blanks=-1)
+    with pytest.raises(ValueError, match="num_blanks.*csv_path"):
+        build_dataset("sudoku", "train", csv_path="unused.csv", num_blanks=10)
