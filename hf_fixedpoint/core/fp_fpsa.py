@@ -365,8 +365,10 @@ def _open_tokens_attention(o, res, tokens, stale, value, mask, keys, state, quer
     q = query(z_pad)
     every = samples.numel() == o.shape[0]  # every sample has an open token: no need to gather the samples' rows
     if mask is not None:
-        mask = mask if every and mask.shape[0] > 1 else (
-            mask[samples] if mask.shape[0] > 1 else mask.expand(samples.numel(), *mask.shape[1:]))
+        if mask.shape[0] == 1:
+            mask = mask.expand(samples.numel(), *mask.shape[1:])
+        elif not every:
+            mask = mask[samples]
         if mask.shape[-2] > 1:  # per-query rows: take each packed query's own row (padding rows repeat row 0)
             t_pad = torch.zeros(samples.numel(), width, dtype=torch.long, device=o.device)
             t_pad[row, slot] = t_idx
