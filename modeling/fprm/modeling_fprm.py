@@ -161,16 +161,16 @@ class FPRMModel(FPRMPreTrainedModel):
         if c.init_mode == "fixed":
             y = self.y_init.to(device, dtype).expand(batch_size, S, D).clone()
         else:
-            # Evaluation: one draw from the seeded generator, shared by every slot, so a puzzle's output does not
-            # depend on the batch it is in (nor on its slot).
-            g = None if self.training else torch.Generator(device=device).manual_seed(c.seed)
-            n = batch_size if self.training else 1
-            noise = torch.empty(n, S, D, device=device)
+            # Evaluation: one draw from a seeded CPU generator, shared by every slot, so a puzzle's output does not
+            # depend on the batch it is in, its slot, or the device (CUDA's generator draws other numbers).
+            g = None if self.training else torch.Generator().manual_seed(c.seed)
+            n, at = (batch_size, device) if self.training else (1, "cpu")
+            noise = torch.empty(n, S, D, device=at)
             if c.init_noise == "truncated":
                 trunc_normal_(noise, std=c.init_std, generator=g)
             else:
-                noise = torch.randn(n, S, D, generator=g, device=device) * c.init_std
-            y = noise.to(dtype).expand(batch_size, S, D).clone()
+                noise = torch.randn(n, S, D, generator=g, device=at) * c.init_std
+            y = noise.to(device, dtype).expand(batch_size, S, D).clone()
         state = {"y": y, "iterations": torch.zeros(batch_size, dtype=torch.long, device=device)}
         kw = self._solver(None)
         if kw["solver"] in WINDOW_SOLVERS:
