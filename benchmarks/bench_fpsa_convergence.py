@@ -339,7 +339,7 @@ def main(argv=None):
     p.add_argument("--tasks", nargs="+", default=["rid", "vit"], choices=["rid", "vit", "cifar", "glue"])
     p.add_argument("--set", action="append", default=[], help="config knob of the FPSA model, key=value")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
-    p.add_argument("--rid_steps", type=int, default=4000)
+    p.add_argument("--rid_steps", type=int, default=6000)
     p.add_argument("--rid_max_distractors", type=int, default=16)
     p.add_argument("--rid_symbols", type=int, default=16)
     p.add_argument("--vit_epochs", type=float, default=15.0)
