@@ -1,7 +1,7 @@
 """Do trained FPSA models converge? Train (or load) FPSA models and print their convergence profile.
 
     python -m benchmarks.bench_fpsa_convergence                       # RID FPSA-1L and FPSA-ViT digits, defaults
-    python -m benchmarks.bench_fpsa_convergence --tasks rid --seeds 0 1 2     # ~7 min a seed on one CPU core
+    python -m benchmarks.bench_fpsa_convergence --tasks rid --seeds 0 1 2     # ~6.5 min a seed on one CPU core
     python -m benchmarks.bench_fpsa_convergence --tasks vit --set fpsa_jac_weight=0 --set fp_backward=bptt
     python -m benchmarks.bench_fpsa_convergence --tasks glue --checkpoint runs/fpsa_sst2   # a fpsa_glue export
 
@@ -300,7 +300,8 @@ TASKS = {"rid": run_rid, "vit": run_vit, "cifar": run_cifar}
 # The FPSA model's knobs unless --set changes them: the Jacobian penalty weights of docs/fpsa.md ("Convergence"), as
 # recipes/fpsa_vit.py uses for ViT.
 # RID: the spectral hinge (per-step contraction above 0.15 penalised) with tokens halting on their iterate's change:
-# median 6 / p90 7 and +32 to +78 points over TF-1L in 3 of 3 seeds (docs/fpsa.md); the Frobenius penalty at weight 3
+# with --rid_steps 6000, median 5-6 / p90 6-7 and +77 to +81 points over TF-1L in 6 of 6 seeds (at 4000 steps, +20 in
+# 3 of 8: the schedule decays before most seeds form the circuit; docs/fpsa.md); the Frobenius penalty at weight 3
 # learned as well but converged at 14 / 19 / 35.
 TASK_KNOBS = {"rid": {"fpsa_jac_weight": 10.0, "fpsa_jac_norm": "spectral", "fpsa_jac_target": 0.15,
                       "fpsa_halt_unit": "state"},
