@@ -32,9 +32,9 @@ from hf_fixedpoint.recipe_args import (
 )
 
 # FPSA knobs a recipe forwards to ``from_pretrained`` / the config when set on the command line.
-FP_KNOBS = ("fp_max_iter", "fp_tol", "fp_solver", "fp_backward", "fpsa_update", "fpsa_step_norm",
-            "fpsa_spectral_norm", "fpsa_halting", "fpsa_halt_unit", "fpsa_jac_weight", "fpsa_jac_norm",
-            "fpsa_jac_target")
+FP_KNOBS = ("fp_max_iter", "fp_tol", "fp_solver", "fp_backward", "fpsa_update", "fpsa_update_scale",
+            "fpsa_step_norm", "fpsa_spectral_norm", "fpsa_halting", "fpsa_halt_unit", "fpsa_jac_weight",
+            "fpsa_jac_norm", "fpsa_jac_target")
 
 
 @dataclass
@@ -61,6 +61,8 @@ class TrainingArgs(RecipeArgs):
     fp_solver: str = field(default=None, metadata={"help": "FPSA forward solver: picard | anderson | ..."})
     fp_backward: str = field(default=None, metadata={"help": "FPSA backward mode, e.g. ift | phantom | bptt"})
     fpsa_update: str = field(default=None, metadata={"help": "FPSA update form: residual_norm | plain"})
+    fpsa_update_scale: float = field(default=None, metadata={"help": "share of W_O O the FPSA iterate re-injects, "
+                                                                     "in (0, 1] (default: the config's, 1)"})
     fpsa_step_norm: str = field(default=None, metadata={"help": "FPSA step norm: none | tanh"})
     fpsa_spectral_norm: str = field(default=None, metadata={"help": "spectral norm: none | qk | qko"})
     fpsa_halting: str = field(default=None, metadata={"help": "FPSA halting: tolerance | learned (FPSA-LH)"})

@@ -29,9 +29,9 @@ class FPSABertConfig(FPSAConfigMixin, BertConfig):
             ``fp_tol=1e-3`` (relative change per token and head), ``fp_max_iter=16`` (counts the exact first step;
             ``fp_max_iter=1`` is the original BERT).
         fpsa_*: FPSA settings (``fp_fpsa_settings.FPSA_DEFAULTS``): ``fpsa_update`` (``residual_norm`` | ``plain``),
-            ``fpsa_step_norm`` (``none`` | ``tanh``), ``fpsa_learn_temperature``, ``fpsa_spectral_norm``
-            (``none`` | ``qk`` | ``qko``), ``fpsa_adjoint_mask``, ``fpsa_halting`` (``tolerance`` | ``learned``),
-            ``fpsa_ponder_budget``, ``fpsa_ponder_weight``, ``fpsa_halt_threshold``.
+            ``fpsa_update_scale`` (in (0, 1]), ``fpsa_step_norm`` (``none`` | ``tanh``), ``fpsa_learn_temperature``,
+            ``fpsa_spectral_norm`` (``none`` | ``qk`` | ``qko``), ``fpsa_adjoint_mask``, ``fpsa_halting``
+            (``tolerance`` | ``learned``), ``fpsa_ponder_budget``, ``fpsa_ponder_weight``, ``fpsa_halt_threshold``.
 
     Example:
         >>> config = FPSABertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,

@@ -23,6 +23,12 @@ Update forms (``state``), both with the same weight names as the base model:
   distribution the next query projection was trained on.
 * ``plain``: ``Z = W_O O`` (the official HEAD code's map without damping).
 
+``fpsa_update_scale`` (``update_scale``, in (0, 1], default 1) re-injects a share ``beta`` of the heads' output:
+``Z = norm(R + beta W_O O)`` (``plain``: ``Z = beta W_O O``). It leaves the exact first step alone and shrinks the
+map's Jacobian with ``beta``. In the pre-norm models (ViT, LLaMA, Mistral: ``x = norm(R)``) it also moves the fixed
+point toward the base model's attention, which it reaches as ``beta -> 0`` (the iterate is then ``x`` itself): a
+retrofit-strength knob for pretrained decoders.
+
 ``fpsa_step_norm="tanh"`` bounds each step: ``O <- O + tanh(F(O) - O)``; it has the same fixed points and limits the
 size of early steps (useful with large temperatures or untrained retrofits). Damping is the solver's own option
 (``fp_solver="picard", fp_solver_kwargs={"damping": 0.5}``).
@@ -51,7 +57,7 @@ from .fp_fpsa_settings import HALT_UNITS, HALTING_MODES, JAC_NORMS, STEP_NORMS, 
 from .fp_fpsa_stats import FPSAResult
 from .fp_halting import ACTAccumulator
 from .fp_jacobian import jacobian_frobenius, spectral_radius
-from .fp_registry import check_choice
+from .fp_registry import check_choice, check_number
 
 JAC_POWER_ITERS = 6  # power-iteration products per layer and step of the spectral penalty (random start each step)
 HALT_FEATURES = 3  # relative latent change, attention entropy, task-head logit margin
@@ -93,7 +99,7 @@ class FPSAOptions:
 
     Attributes:
         update, step_norm: the iterate's form (``residual_norm`` | ``plain``) and step (``none`` | ``tanh``); see the
-            module docstring.
+            module docstring. ``update_scale``: the share ``beta`` of ``W_O O`` the iterate re-injects, in (0, 1].
         dropout: attention dropout of the exact first step; the inner iterations are deterministic so that the map
             has a fixed point.
         adjoint_mask: ``ift`` backward: keep the implicit term only for converged entries.
@@ -112,6 +118,7 @@ class FPSAOptions:
     """
 
     update: str = "residual_norm"
+    update_scale: float = 1.0
     step_norm: str = "none"
     dropout: float = 0.0
     adjoint_mask: bool = True
@@ -128,12 +135,14 @@ class FPSAOptions:
         for name, allowed in (("update", UPDATE_FORMS), ("step_norm", STEP_NORMS), ("halting", HALTING_MODES),
                               ("halt_unit", HALT_UNITS), ("jac_norm", JAC_NORMS)):
             check_choice(getattr(self, name), "fpsa_" + name, allowed)
+        check_number(self.update_scale, "fpsa_update_scale", low=0.0, high=1.0, low_open=True)
 
     @classmethod
     def from_config(cls, config, **changes) -> "FPSAOptions":
         """The options a model's ``fpsa_*`` settings give (the penalty on when ``fpsa_jac_weight > 0``), with
         per-call ``changes`` (``dropout``, ``return_weights``, ...)."""
-        base = cls(update=config.fpsa_update, step_norm=config.fpsa_step_norm, adjoint_mask=config.fpsa_adjoint_mask,
+        base = cls(update=config.fpsa_update, update_scale=config.fpsa_update_scale, step_norm=config.fpsa_step_norm,
+                   adjoint_mask=config.fpsa_adjoint_mask,
                    halting=config.fpsa_halting, halt_threshold=config.fpsa_halt_threshold,
                    halt_unit=config.fpsa_halt_unit, jac_penalty=config.fpsa_jac_weight > 0,
                    jac_norm=config.fpsa_jac_norm, jac_target=config.fpsa_jac_target)
@@ -157,11 +166,13 @@ class _LayerMap:
                  options: FPSAOptions, dtype):
         self.module, self.query, self.key, self.out_proj, self.norm = module, query, key, out_proj, norm
         self.attention_fn, self.scaling, self.attention_kwargs = attention_fn, scaling, dict(attention_kwargs or {})
-        self.update, self.step_norm = options.update, options.step_norm
+        self.update, self.update_scale, self.step_norm = options.update, options.update_scale, options.step_norm
         self.inv_tau = None if log_temperature is None else torch.exp(-log_temperature).to(dtype)[None, :, None, None]
 
     def state(self, o, res):  # (..., H, d) head outputs -> (..., D) iterate
         z = self.out_proj(o.flatten(-2))
+        if self.update_scale != 1.0:
+            z = self.update_scale * z
         if self.update == "residual_norm":
             z = res + z
             z = self.norm(z) if self.norm is not None else z

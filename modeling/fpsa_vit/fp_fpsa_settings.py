@@ -19,6 +19,7 @@ JAC_NORMS = ("frobenius", "spectral")
 
 FPSA_DEFAULTS = {
     "fpsa_update": "residual_norm",  # residual_norm | plain (see module docstring)
+    "fpsa_update_scale": 1.0,  # in (0, 1]: the iterate re-injects this share of W_O O (1: the paper's form)
     "fpsa_step_norm": "none",  # none | tanh
     "fpsa_learn_temperature": True,  # learned per-head temperature tau_h = exp(log_tau_h), initialised to 1
     "fpsa_spectral_norm": "none",  # none | qk | qko: spectral normalisation of W_Q, W_K (and W_O)
@@ -50,6 +51,7 @@ def check_fpsa_settings(s: dict) -> None:
     check_choice(s["fpsa_halt_unit"], "fpsa_halt_unit", HALT_UNITS)
     for key in ("fpsa_learn_temperature", "fpsa_adjoint_mask"):
         check_choice(s[key], key, (True, False))
+    check_number(s["fpsa_update_scale"], "fpsa_update_scale", low=0.0, high=1.0, low_open=True)
     check_number(s["fpsa_ponder_budget"], "fpsa_ponder_budget", low=1.0)
     check_number(s["fpsa_ponder_weight"], "fpsa_ponder_weight", low=0.0)
     check_number(s["fpsa_halt_threshold"], "fpsa_halt_threshold", low=0.0, high=1.0, low_open=True, high_open=True)

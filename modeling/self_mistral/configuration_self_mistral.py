@@ -38,7 +38,8 @@ class SelfMistralConfig(FPSAConfigMixin, MistralConfig):
             ``fp_tol=1e-3`` (relative change per token and head), ``fp_max_iter=16`` (counts the exact first step;
             ``fp_max_iter=1`` is the original Mistral).
         fpsa_*: FPSA settings (``fp_fpsa_settings.FPSA_DEFAULTS``): ``fpsa_update`` (``residual_norm``:
-            ``Z = norm(R + W_O O)`` with the layer's input RMSNorm, or ``plain``), ``fpsa_step_norm`` (``none`` |
+            ``Z = norm(R + W_O O)`` with the layer's input RMSNorm, or ``plain``), ``fpsa_update_scale`` (in (0, 1]:
+            the share of ``W_O O`` re-injected), ``fpsa_step_norm`` (``none`` |
             ``tanh``), ``fpsa_learn_temperature`` (default False here: the retrofit has exactly the base model's
             parameters), ``fpsa_adjoint_mask``. ``fpsa_halting`` must be ``tolerance`` and ``fpsa_spectral_norm``
             ``none``.

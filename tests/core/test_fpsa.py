@@ -76,6 +76,30 @@ def test_converged_iterate_is_a_fixed_point(update):
     torch.testing.assert_close(blk.attention(z, x), o, rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize("update", ["residual_norm", "plain"])
+def test_update_scale_reinjects_a_share_of_the_heads_output(update):
+    """``update_scale=beta`` is the map with ``W_O`` scaled by ``beta`` in the iterate: the same fixed point and
+    counts, exactly; the first step stays the base model's. Pre-norm (``x = norm(R)``, as in ViT and LLaMA): as
+    ``beta -> 0`` the iterate goes to ``x`` and the fixed point to the first step, the base model's attention."""
+    blk, x = Block(), x_input()
+    with torch.no_grad():
+        scaled = blk.run(x, fp(), update=update, update_scale=0.3)
+        first = blk.run(x, fp(max_iter=1), update_scale=0.3).output
+        pre_norm = {"residual": x, "update": update}
+        pre_first = blk.run(blk.norm(x), fp(max_iter=1), **pre_norm).output
+        tiny = blk.run(blk.norm(x), fp(), update_scale=1e-6, **pre_norm).output
+        full = blk.run(blk.norm(x), fp(), **pre_norm).output
+        blk.o.weight.mul_(0.3)
+        blk.o.bias.mul_(0.3)
+        reference = blk.run(x, fp(), update=update)
+    assert scaled.converged.all()
+    torch.testing.assert_close(scaled.output, reference.output, rtol=0, atol=1e-10)
+    assert bool((scaled.iterations == reference.iterations).all())
+    torch.testing.assert_close(first, blk.attention(x, x).flatten(2), rtol=0, atol=0)
+    if update == "residual_norm":
+        assert (tiny - pre_first).abs().max() < 1e-5 < (full - pre_first).abs().max()
+
+
 def test_tanh_step_norm_and_temperature():
     blk, x = Block(), x_input()
     with torch.no_grad():
@@ -389,4 +413,9 @@ def test_bad_input():
         pop_fpsa_kwargs({"fpsa_jac_norm": "l1"})
     with pytest.raises(ValueError, match=r"fpsa_jac_target=1.0 is out of range"):
         pop_fpsa_kwargs({"fpsa_jac_target": 1.0})
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match=rf"fpsa_update_scale={bad} is out of range"):
+            pop_fpsa_kwargs({"fpsa_update_scale": bad})
+        with pytest.raises(ValueError, match=rf"fpsa_update_scale={bad} is out of range"):
+            blk.run(x, fp(), update_scale=bad)
     assert pop_fpsa_kwargs({}) == FPSA_DEFAULTS

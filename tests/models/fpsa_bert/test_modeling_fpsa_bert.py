@@ -166,7 +166,7 @@ def test_per_token_and_head_counts_and_freezing():
 @pytest.mark.parametrize("branch", [
     {"fpsa_update": "plain"}, {"fpsa_step_norm": "tanh"}, {"fpsa_learn_temperature": False},
     {"fpsa_adjoint_mask": False}, {"fpsa_spectral_norm": "qk"}, {"fpsa_spectral_norm": "qko"},
-    {"fp_backward": "phantom"},
+    {"fp_backward": "phantom"}, {"fpsa_update_scale": 0.5},
 ], ids=lambda b: "-".join(f"{k}={v}" for k, v in b.items()))
 def test_config_branches_train(branch):
     torch.manual_seed(0)

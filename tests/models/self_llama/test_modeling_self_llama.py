@@ -235,8 +235,9 @@ def test_loads_a_llama_checkpoint_with_unchanged_names(tmp_path):
 
 
 @pytest.mark.parametrize("fp", [{"fpsa_update": "plain"}, {"fpsa_step_norm": "tanh"},
-                                {"fpsa_learn_temperature": True}, {"fpsa_adjoint_mask": False}],
-                         ids=["plain", "tanh", "temperature", "no_adjoint_mask"])
+                                {"fpsa_learn_temperature": True}, {"fpsa_adjoint_mask": False},
+                                {"fpsa_update_scale": 0.5}],
+                         ids=["plain", "tanh", "temperature", "no_adjoint_mask", "update_scale"])
 def test_config_branches_train_and_decode(fp):
     _, model = _base_and_self(dtype=torch.float32, fp_max_iter=6, fp_tol=1e-4, **fp)
     ids, mask = _ids()
