@@ -117,7 +117,8 @@ def test_trains_only_lora_resumes_and_exports(tiny_llama, tmp_path):
     # The adapter loads with PEFT on the SELF retrofit and gives the merged export's logits; the export reloads in
     # a fresh process (torch + transformers, remote code) with the same logits.
     ids = torch.tensor([[5, 17, 42, 99, 7, 3]])
-    base = SelfLlamaForCausalLM.from_pretrained(tiny_llama, fp_max_iter=3, fpsa_halt_unit="state")  # the recipe's
+    base = SelfLlamaForCausalLM.from_pretrained(tiny_llama, fp_max_iter=3, fpsa_halt_unit="state",
+                                                fpsa_update_scale=0.5)  # the recipe's settings
     peft_model = PeftModel.from_pretrained(base, full / "adapter").eval()
     with torch.no_grad():
         want = peft_model(ids).logits
