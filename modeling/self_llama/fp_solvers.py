@@ -442,6 +442,21 @@ def _residual(gz, fz, stop_mode, norm, row_size=1, row_mask=None, acc=None, eps=
     return r / (fz.abs().amax(1).to(acc) + eps) if stop_mode == "rel" else r
 
 
+_CONSTANTS = {}
+
+
+def _constants(dtype: torch.dtype, device: torch.device) -> tuple:
+    """``(1e-9, inf, 0, -1)`` as 0-dim tensors of ``dtype`` on ``device``, made once per dtype and device (a solve
+    on a small problem pays for every op, and creating them is four)."""
+    key = (dtype, device)
+    consts = _CONSTANTS.get(key)
+    if consts is None:
+        consts = tuple(torch.full((), v, dtype=dtype, device=device) for v in (1e-9, math.inf, 0.0, -1.0))
+        if type(consts[0]) is torch.Tensor:  # not a tensor subclass of a tracing mode (fake, functional)
+            _CONSTANTS[key] = consts
+    return consts
+
+
 def solve(f: Callable, z0: torch.Tensor, *, args: Sequence = (), options: Optional[SolveOptions] = None,
           row_mask: Optional[torch.Tensor] = None, residual_fn: Optional[Callable] = None, check: bool = True,
           **option_changes):
@@ -511,29 +526,37 @@ class _SolveLoop:
             self.rmask = row_mask.reshape(self.G, -1).bool()
         self.algo = SOLVERS.get(opts.solver)(**(opts.solver_kwargs or {}))
         self.observe = getattr(self.algo, "observe", None)
+        self.halts = type(self.algo).halted is not _Solver.halted  # a solver that can give up on entries
         self.z = z0.detach().reshape(self.G, self.d)
         self.acc = torch.promote_types(z0.dtype, torch.float32)
-        self.eps = torch.full((), 1e-9, dtype=self.acc, device=z0.device)  # _residual's guard, as a tensor operand
+        # _residual's guard and the loop's other constants, as 0-dim tensor operands (cheaper than Python scalars)
+        self.eps, self.inf_t, self.zero_t, self.minus_one = _constants(self.acc, z0.device)
         self.flat = tuple(shape) == (self.G, self.d)  # f takes the (rows, d) working state as it is
         self.done = self.conv = self.out = self.out_res = self.nstep = None
         self.frozen = None  # done[:, None], kept while done does not change
         self.best = self.best_res = None
         # eager_best: set once some row's residual went up (then the best iterate is updated every step)
-        self.eager_best, self.minus_one = False, None
+        self.eager_best = False
         self.gidx = self.results = None
         self.n_done_w = 0  # done working rows, counted by _settle (what _compact of single-entry samples drops)
         self.all_done = False  # set by _settle when every entry is done
         self.wshape, self.wargs, self.Bw = shape, args, self.B
         self.trace = [] if opts.track_trace else None
+        # The common case (the l2 residual in f's dtype, nothing per call or per step besides f): _evaluate takes a
+        # path with the fewest ops and Python lookups, a fixed cost that counts on small problems.
+        self.plain = (residual_fn is None and not opts.pass_active and self.trace is None and self.observe is None
+                      and opts.norm == "l2" and z0.dtype == self.acc)
+        self.inf_done = None  # +inf at the done rows, 0 elsewhere (None while none is done)
         self.algo.init(self.z)
 
     def run(self):
         opts, algo = self.opts, self.algo
         tol, min_iter, max_iter = opts.tol, opts.min_iter, opts.max_iter
+        evaluate, reduce = self._evaluate, self._reduce  # bound once: a small problem pays for every lookup
         k = 0
         for k in range(1, max_iter + 1):
-            fz, gz, res = self._evaluate()
-            lo, halted, key = self._reduce(res, fz)
+            fz, gz, res = evaluate()
+            lo, halted, key = reduce(res, fz)
             if lo != lo:  # NaN propagates through the reduction
                 self._raise_nonfinite(res, k)
             event = (lo < tol and k >= min_iter) or halted is not None
@@ -553,14 +576,25 @@ class _SolveLoop:
     def _evaluate(self):
         """One evaluation of ``f`` on the working rows: ``(f(z), f(z) - z, residual)``, all ``(rows, ...)``."""
         z, wshape = self.z, self.wshape
+        if self.plain:  # the residual comes with the done rows already at +inf (one op instead of two)
+            fz = self.f(z if self.flat else z.view(wshape), *self.wargs)
+            if fz.shape != wshape:
+                self._raise_shape(fz)
+            if not self.flat:
+                fz = fz.reshape(z.shape)
+            gz = fz - z
+            r, inf_done = torch.linalg.vector_norm(gz, dim=1), self.inf_done
+            if self.opts.stop_mode == "abs":
+                return fz, gz, (r if inf_done is None else r + inf_done)
+            den = torch.linalg.vector_norm(fz, dim=1) + self.eps
+            return fz, gz, (r / den if inf_done is None else torch.addcdiv(inf_done, r, den))
         zin = z if self.flat else z.view(wshape)
         extra = {}
         if self.opts.pass_active:
             extra["active"] = None if self.done is None else (~self.done).view(wshape[:self.opts.batch_dims])
         fz = self.f(zin, *self.wargs, **extra)
         if fz.shape != wshape:
-            raise ValueError(f"f returned shape {tuple(fz.shape)} for an input of shape {tuple(wshape)}; "
-                             "a fixed-point map must preserve the shape of its input.")
+            self._raise_shape(fz)
         if not self.flat:
             fz = fz.reshape(z.shape)
         gz = fz - z
@@ -577,27 +611,30 @@ class _SolveLoop:
             self.trace.append(row)
         return fz, gz, res
 
+    def _raise_shape(self, fz):
+        raise ValueError(f"f returned shape {tuple(fz.shape)} for an input of shape {tuple(self.wshape)}; "
+                         "a fixed-point map must preserve the shape of its input.")
+
     def _reduce(self, res, fz):
         """The one host sync of an iteration: the smallest residual among open rows (NaN propagates, so it is also
         the NaN check), and the rows the solver halted (None when none). Also tracks the best iterate: while every
         row's residual goes down, the newest image is the best one and a row that got worse shows up as -1 in the
         same reduction; after the first such step the best iterate is updated every step instead. Done rows keep a
         best residual of +inf (``key``), so their frozen residuals never count as worse."""
-        key = res if self.done is None else res.masked_fill(self.done, math.inf)
+        # +inf at the done rows by an addition, so a non-finite image of a finished row still shows as NaN
+        key = res if self.inf_done is None or self.plain else res + self.inf_done
         red, lazy = key, False
         if self.opts.return_mode == "best":
             if self.best is None:
                 self.best, self.best_res = fz, key
             elif self.eager_best:
-                self._update_best(res < self.best_res, fz, key)
+                self._update_best(key <= self.best_res, fz, key)
             else:
-                better = res < self.best_res
-                if self.minus_one is None:
-                    self.minus_one = res.new_tensor(-1.0)  # a tensor operand is cheaper than a Python scalar
+                better = key <= self.best_res  # done rows: +inf on both sides, so "better"
                 red, lazy = torch.where(better, key, self.minus_one), True
-        halted = self.algo.halted()
+        halted = self.algo.halted() if self.halts else None
         if halted is None:
-            lo, halt_any = red.amin().item(), 0.0
+            lo, halt_any = red.min().item(), 0.0  # min(): a full reduction, cheaper than amin()
         else:
             lo, halt_any = torch.stack([red.amin(), halted.any().to(red.dtype)]).tolist()
         if lazy:
@@ -614,7 +651,10 @@ class _SolveLoop:
         self.best_res = torch.where(better, res, self.best_res)
 
     def _raise_nonfinite(self, res, k):
-        bad_rows = (~torch.isfinite(res) if self.done is None else ~torch.isfinite(res) & ~self.done).nonzero()[:, 0]
+        bad = ~torch.isfinite(res)
+        if self.done is not None and bool((bad & ~self.done).any()):
+            bad = bad & ~self.done  # the open rows; else a finished row's frozen state has a non-finite image
+        bad_rows = bad.nonzero()[:, 0]
         ent = bad_rows if self.gidx is None else self.gidx[bad_rows]
         bad = sorted({int(i) for i in (ent // self.gps).tolist()})
         raise NonFiniteError(
@@ -655,9 +695,11 @@ class _SolveLoop:
             n_done += self.G - self.gidx.numel()
         self.all_done = n_done == self.G
         stop = self.G - n_done <= opts.stop_fraction * self.G  # the fraction counts every entry, finished or not
-        if not stop and k < opts.max_iter and self.best_res is not None:
-            # A frozen row's later residuals must not count as "got worse" (that would switch to eager tracking).
-            self.best_res = self.best_res.masked_fill(self.done, math.inf)
+        if not stop and k < opts.max_iter:
+            self.inf_done = torch.where(self.done, self.inf_t, self.zero_t)
+            if self.best_res is not None:
+                # A frozen row's later residuals must not count as "got worse" (that would switch to eager tracking).
+                self.best_res = self.best_res.masked_fill(self.done, math.inf)
         return stop
 
     def _converged(self):
@@ -694,12 +736,13 @@ class _SolveLoop:
             self.gidx, self.out, self.out_res, self.nstep, self._converged())))
         self.z, self.gidx = self.z.index_select(0, rows), self.gidx.index_select(0, rows)
         if gps == 1:  # every kept row is open: the working set starts afresh
-            self.done = self.conv = self.out = self.out_res = self.nstep = None
+            self.done = self.conv = self.out = self.out_res = self.nstep = self.inf_done = None
             self.n_done_w = 0
         else:
             self.done, self.out, self.out_res, self.nstep = (
                 t.index_select(0, rows) for t in (self.done, self.out, self.out_res, self.nstep))
             self.conv = None if self.conv is None else self.conv.index_select(0, rows)
+            self.inf_done = None if self.inf_done is None else self.inf_done.index_select(0, rows)
             self.frozen = None
         if self.best is not None:
             self.best, self.best_res = self.best.index_select(0, rows), self.best_res.index_select(0, rows)

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_fixedpoint import SOLVERS, solve
+from hf_fixedpoint import SOLVERS, NonFiniteError, solve
 from tests.core.problems import exact_fixed_point, tanh_problem
 
 ALL_SOLVERS = ["picard", "fpopt", "picard_adaptive", "anderson", "broyden"]
@@ -364,3 +364,53 @@ def test_compaction_in_several_drops_matches_no_compaction(batch_dims):
     torch.testing.assert_close(z1, z2, rtol=0, atol=1e-12)
     assert torch.equal(s1.nstep, s2.nstep) and torch.equal(s1.converged, s2.converged)
     torch.testing.assert_close(s1.residual, s2.residual, rtol=1e-9, atol=1e-15)
+
+
+def _non_normal_rows(B=6, D=4, seed=0):
+    """Row-wise affine maps ``z_i <- M_i z_i + b_i`` (float64) with spectral radius < 1 but non-normal ``M_i`` of
+    different scales: residuals that fall at different rates, and in some rows rise before they fall."""
+    g = torch.Generator().manual_seed(seed)
+    M = torch.triu(torch.randn(B, D, D, generator=g, dtype=torch.float64) * 3.0, diagonal=1)
+    M = M + torch.diag_embed(torch.linspace(0.1, 0.8, B, dtype=torch.float64)[:, None].expand(B, D))
+    b = torch.randn(B, D, generator=g, dtype=torch.float64)
+    return lambda z: torch.einsum("bij,bj->bi", M, z.reshape(B, D)).reshape(z.shape) + b.reshape(z.shape)
+
+
+@pytest.mark.parametrize("shape", [(6, 4), (6, 1, 4)])
+@pytest.mark.parametrize("stop_mode", ["rel", "abs"])
+@pytest.mark.parametrize("return_mode", ["best", "last"])
+def test_fast_path_matches_the_general_path_float64(return_mode, stop_mode, shape):
+    """Without a trace, a residual function or per-call extras, the solve takes its fast path (the residual's done
+    rows masked in the same op); ``track_trace=True`` takes the general one. Same iterates, results and statistics,
+    bit for bit, with rows that converge at different steps, rows that do not converge, and residuals that rise (the
+    best iterate then tracked every step)."""
+    f = _non_normal_rows()
+    kw = dict(solver="picard", tol=1e-6, max_iter=30, stop_mode=stop_mode, return_mode=return_mode)
+    z_fast, s_fast = solve(f, torch.zeros(shape, dtype=torch.float64), **kw)
+    z_gen, s_gen = solve(f, torch.zeros(shape, dtype=torch.float64), track_trace=True, **kw)
+    assert torch.equal(z_fast, z_gen)
+    for name in ("nstep", "residual", "converged"):
+        assert torch.equal(getattr(s_fast, name), getattr(s_gen, name)), name
+    assert 0 < int(s_fast.converged.sum()) < 6 and len(set(s_fast.nstep.tolist())) > 2
+    rose = (s_gen.trace[1:] > s_gen.trace[:-1]).any(0)
+    assert bool((rose & ~s_fast.converged).any())  # a row whose best iterate is not its last
+    if return_mode == "best":
+        open_rows = ~s_fast.converged
+        torch.testing.assert_close(s_fast.residual[open_rows], s_gen.trace[:, open_rows].min(0).values)
+
+
+@pytest.mark.parametrize("track_trace", [False, True])  # the fast path and the general one
+@pytest.mark.parametrize("shape", [(4, 3), (4, 1, 3)])
+def test_nan_image_of_a_finished_row_is_reported(shape, track_trace):
+    def f(z):
+        out = 0.5 * z + torch.arange(1.0, 5.0).reshape(4, *[1] * (z.dim() - 1)) * torch.ones_like(z)
+        f.calls += 1
+        if f.calls >= 3:  # row 0 converged at the first step (tol 2): its frozen state's image turns NaN
+            out = out.clone()
+            out[0] = float("nan")
+        return out
+
+    f.calls = 0
+    with pytest.raises(NonFiniteError, match=r"iteration 3 for samples \[0\] \(of 4\)"):
+        solve(f, torch.full(shape, 2.0), solver="picard", tol=0.3, stop_mode="abs", max_iter=50,
+              track_trace=track_trace)
