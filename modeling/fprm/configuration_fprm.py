@@ -47,6 +47,8 @@ class FPRMConfig(FixedPointConfigMixin, PretrainedConfig):
             with ``2L`` sublayers.
         conv, conv_kernel: short depthwise convolution of the state's grid part (``none`` | ``1d``: always causal,
             left padded | ``2d``), which replaces the grid part of ``y`` before the injection, as in the research code.
+            A 2-D kernel of ``2 * 9 - 1 = 17`` reaches every Sudoku cell's whole row and column (the research code's 3
+            only its neighbours; at CPU scale the 3 x 3 model learns the row constraint only, docs/reasoning.md).
         conv_skip: use ``y + conv(y)`` on the grid part instead (the same set of maps, but a different
             initialization and weight decay; not the research code's form).
         spectral_norm: spectral-normalize every linear layer of the blocks.
