@@ -3,10 +3,12 @@ parameters and training time, on generated puzzles with a fixed number of blank 
 
     OMP_NUM_THREADS=1 python -m benchmarks.bench_sudoku_cpu --blanks 20 --minutes 3              # every model
     OMP_NUM_THREADS=1 python -m benchmarks.bench_sudoku_cpu --models fprm fprm_linf --blanks 20 30 --minutes 3
+    OMP_NUM_THREADS=1 python -m benchmarks.bench_sudoku_cpu --models fprm fprm_k17 --blanks 5 --minutes 6 --lr 3e-3 \
+        --breakdown
 
 What it does, top to bottom:
-1. sizes: each model's hidden size is picked so its parameter count is the closest to FPRM's at ``--hidden``
-   (multiples of ``--heads``; the table prints the counts);
+1. sizes: each model's hidden size (``fprm_k17``'s too) is picked so its parameter count is the closest to FPRM's
+   (3 x 3 convolution) at ``--hidden`` (multiples of ``--heads``; the table prints the counts);
 2. runs: for each blank count and model, ``recipes.reasoning.main`` trains on ``--train_puzzles`` generated puzzles
    (with ``--num_aug`` symmetry copies) for ``--minutes`` of training time (evaluations excluded) or ``--max_steps``
    optimizer steps, one thread, and evaluates once at the end on ``--test_puzzles`` new puzzles with the same blank
@@ -14,7 +16,8 @@ What it does, top to bottom:
    steps); ``--cross_eval`` also evaluates each trained FPRM with the other ``solve_mode``;
 3. one table: model, parameters, training minutes, optimizer steps, exact-puzzle accuracy, accuracy on the blank
    cells, mean iterations at evaluation (FPRM: solver steps; TRM/URM: supervision steps up to the first positive
-   Q-halt logit).
+   Q-halt logit); ``--breakdown`` adds the accuracy on the blank cells that are the only blank of their row, column
+   or box, and on those alone in none (which constraints a model learned).
 """
 
 import argparse
@@ -31,8 +34,12 @@ from recipes import reasoning
 # name -> (--model of the recipe, --model_kwargs). FPRM with its 3x3 grid convolution; TRM-MLP as the official
 # Sudoku model (sequence MLP, no positional encoding) but with MLP expansion 2: at hidden 64 its sequence MLPs over
 # 82 positions alone hold more parameters than the whole FPRM, so no hidden size matches it at expansion 4.
+# fprm_k17: the 2-D convolution widened to 17 x 17 (offsets -8..8), so every cell reads its whole row and column in
+# one step; with the research code's 3 x 3 kernel and rotary 1-d positions FPRM learns the row constraint only (a
+# blank alone in its row: 1.000, its column: no better than the others; docs/reasoning.md).
 VARIANTS = {
     "fprm": ("fprm", {"conv": "2d", "conv_kernel": 3}),
+    "fprm_k17": ("fprm", {"conv": "2d", "conv_kernel": 17}),
     "fprm_linf": ("fprm", {"conv": "2d", "conv_kernel": 3, "fp_norm": "linf"}),
     "fprm_per_sample": ("fprm", {"conv": "2d", "conv_kernel": 3, "solve_mode": "per_sample"}),
     "trm": ("trm", {}),
@@ -65,8 +72,8 @@ def matched_hidden(args, meta):
     target = count_parameters(args, "fprm", args.hidden, meta)
     sizes = {}
     for name in args.models:
-        if VARIANTS[name][0] == "fprm":
-            sizes[name] = (args.hidden, count_parameters(args, name, args.hidden, meta))
+        if name == "fprm":
+            sizes[name] = (args.hidden, target)
             continue
         lo, hi = 1, 4 * args.hidden // args.heads  # bisection: the count grows with the hidden size
         while lo < hi:
@@ -103,6 +110,36 @@ def cross_eval(args, name, hidden, blanks, folder):
     return other, next(v for k, v in final.items() if k != "step")
 
 
+def alone_in_unit(inputs, labels):
+    """``{unit: (B, 81) bool}`` for ``row``, ``column`` and ``box``: the blank cells (input differs from the label)
+    that are the only blank of their row, column or 3 x 3 box (the one missing digit of that unit)."""
+    blank = (inputs != labels).view(-1, 9, 9)
+    B = blank.shape[0]
+    box = blank.view(B, 3, 3, 3, 3).sum((2, 4), keepdim=True).expand(B, 3, 3, 3, 3).reshape(B, 9, 9)
+    counts = {"row": blank.sum(2, keepdim=True).expand(B, 9, 9), "column": blank.sum(1, keepdim=True).expand(B, 9, 9),
+              "box": box}
+    return {unit: (blank & (n == 1)).reshape(B, 81) for unit, n in counts.items()}
+
+
+@torch.no_grad()
+def breakdown(args, name, blanks, folder):
+    """``--breakdown``: accuracy of the trained model (the exported EMA weights, the recipe's evaluation) on the blank
+    cells that are alone in their row, column or box, and on those alone in none of them: which constraints it
+    learned. Returns ``{group: (cells, accuracy)}``."""
+    model = reasoning.MODELS[VARIANTS[name][0]][1].from_pretrained(folder).eval()
+    ds, _ = build_dataset("sudoku", "test", seed=args.seed, num_puzzles=args.test_puzzles, num_blanks=blanks)
+    data = ds.with_format("torch", columns=["inputs", "labels", "puzzle_identifiers"])[:]
+    b = {k: data[k].long() for k in ("inputs", "labels", "puzzle_identifiers")}
+    if VARIANTS[name][0] == "fprm":
+        logits = model(b["inputs"], b["puzzle_identifiers"]).logits
+    else:
+        logits = reasoning.supervised_eval(model, b, "cpu", model.config.halt_max_steps)[0].logits
+    right = logits.argmax(-1) == b["labels"]
+    groups = alone_in_unit(b["inputs"], b["labels"])
+    groups["none"] = (b["inputs"] != b["labels"]) & ~(groups["row"] | groups["column"] | groups["box"])
+    return {g: (int(m.sum()), right[m].float().mean().item() if m.any() else float("nan")) for g, m in groups.items()}
+
+
 def build_parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
@@ -119,6 +156,8 @@ def build_parser():
     parser.add_argument("--num_aug", type=int, default=3)
     parser.add_argument("--test_puzzles", type=int, default=200)
     parser.add_argument("--cross_eval", action="store_true", help="FPRM also evaluated with the other solve_mode")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also print the accuracy on blanks alone in their row / column / box / none")
     parser.add_argument("--output_dir", default=None, help="keep the runs here (default: a temporary folder)")
     return parser
 
@@ -132,7 +171,7 @@ def main(argv=None):
 
     _, meta = build_dataset("sudoku", "train", seed=args.seed, num_puzzles=1, num_blanks=1)
     target, sizes = matched_hidden(args, meta)
-    rows = []
+    rows, parts = [], []
     with tempfile.TemporaryDirectory() as tmp:
         root = args.output_dir or tmp
         for blanks in args.blanks:
@@ -147,6 +186,8 @@ def main(argv=None):
                     rows.append((blanks, f"{name} (diverged)", hidden, params, float("nan"), -1, DIVERGED, 0.0))
                     continue
                 rows.append((blanks, name, hidden, params, seconds / 60, steps, result, time.time() - start))
+                if args.breakdown:
+                    parts.append((blanks, name, breakdown(args, name, blanks, folder)))
                 if args.cross_eval and VARIANTS[name][0] == "fprm":
                     mode, other = cross_eval(args, name, hidden, blanks, folder)
                     rows.append((blanks, f"{name} eval {mode}", hidden, params, seconds / 60, steps, other, 0.0))
@@ -159,6 +200,12 @@ def main(argv=None):
     for blanks, name, hidden, params, minutes, steps, r, wall in rows:
         print(f"| {blanks} | {name} | {hidden} | {params:,} | {minutes:.1f} | {steps} | {r['exact_accuracy']:.3f} | "
               f"{r['cell_accuracy_changed']:.3f} | {r['iterations_mean']:.1f} | {wall:.0f} |", flush=True)
+    if parts:
+        print("\naccuracy on the blank cells alone in their row / column / box / none of them (cells)")
+        print("| blanks | model | row | column | box | none |\n|---|---|---|---|---|---|")
+        for blanks, name, groups in parts:
+            cells = " | ".join(f"{acc:.3f} ({n})" for n, acc in groups.values())
+            print(f"| {blanks} | {name} | {cells} |", flush=True)
     return rows
 
 

@@ -14,6 +14,7 @@ INITS = ("noise", "fixed")
 INIT_NOISES = ("truncated", "normal")
 SOLVE_MODES = ("official", "per_sample")
 WINDOW_SOLVERS = ("fpopt", "picard")
+POS_EMBEDDINGS = ("none", "learned")
 
 # FPRM's solver: damped iteration with patience-based step decay on the per-token relative l-inf residual (the
 # largest over tokens, as in the official code), threshold 0.1.
@@ -46,6 +47,8 @@ class FPRMConfig(FixedPointConfigMixin, PretrainedConfig):
             with ``2L`` sublayers.
         conv, conv_kernel: short depthwise convolution of the state's grid part (``none`` | ``1d``: always causal,
             left padded | ``2d``), which replaces the grid part of ``y`` before the injection, as in the research code.
+            A 2-D kernel of ``2 * 9 - 1 = 17`` reaches every Sudoku cell's whole row and column (the research code's 3
+            only its neighbours; at CPU scale the 3 x 3 model learns the row constraint only, docs/reasoning.md).
         conv_skip: use ``y + conv(y)`` on the grid part instead (the same set of maps, but a different
             initialization and weight decay; not the research code's form).
         spectral_norm: spectral-normalize every linear layer of the blocks.
@@ -65,6 +68,14 @@ class FPRMConfig(FixedPointConfigMixin, PretrainedConfig):
             iterate ``y``. ``per_sample``: a puzzle that converges is frozen inside a window, a call without a
             state is a full ``fixed_point`` solve (any solver and backward mode) that stops per puzzle and returns
             ``f(y)``. ``official`` needs ``fp_solver`` ``fpopt`` or ``picard``.
+        pos_embedding: ``none`` (the research code's FPRM: positions only through ``pos_encodings``' rotary
+            attention and the convolution) or ``learned``: a learned absolute embedding per position (puzzle prefix
+            and grid, ``puzzle_emb_len + seq_len`` rows, initialized like the token embedding) added to the token
+            embedding before the ``sqrt(D)`` scale and scaled by ``1/sqrt(2)``, as TRM's ``pos_encodings="learned"``;
+            it adds to the rotary encoding (``pos_encodings="rope"``) or replaces it (``"none"``). Rotary relative
+            positions over the flattened 9x9 grid cannot single out a cell's column (offsets that are multiples of 9)
+            or box, so a Sudoku model without it learns the row constraint only; inputs must then be ``seq_len``
+            long.
         pad_id: input token of padding; its positions are left out of the ``token_linf`` residual (mixed-length
             grids converge); None counts every position (the research code; Sudoku has no padding).
         fp_*: fixed-point settings; FPRM defaults ``fp_solver="fpopt", fp_norm="token_linf", fp_tol=0.1``,
@@ -115,6 +126,7 @@ class FPRMConfig(FixedPointConfigMixin, PretrainedConfig):
         init_noise: str = "truncated",
         solve_mode: str = "official",
         pad_id: int = 0,
+        pos_embedding: str = "none",
         **kwargs,
     ):
         fields = {k: v for k, v in locals().items() if k not in ("self", "kwargs", "__class__")}
@@ -144,6 +156,7 @@ class FPRMConfig(FixedPointConfigMixin, PretrainedConfig):
         if solve_mode == "official" and self.fp_solver not in WINDOW_SOLVERS:
             raise ValueError(f"solve_mode='official' steps the research code's solver; fp_solver must be one of "
                              f"{WINDOW_SOLVERS}, got {self.fp_solver!r} (use solve_mode='per_sample').")
+        check_choice(pos_embedding, "pos_embedding", POS_EMBEDDINGS)
         if pad_id is not None:
             check_number(pad_id, "pad_id", low=0, integer=True)
         kwargs["auto_map"] = complete_auto_map(kwargs.get("auto_map"), self.family_auto_map)

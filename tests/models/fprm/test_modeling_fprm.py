@@ -96,7 +96,8 @@ class TestFPRM(PuzzleModelTesterMixin):
     @pytest.mark.parametrize("options", [{"conv": "1d", "conv_kernel": 4}, {"conv": "2d", "grid_shape": [3, 3]},
                                          {"spectral_norm": True}, {"output_norm": True},
                                          {"residual_scale": "fixed"}, {"init_mode": "fixed"},
-                                         {"pos_encodings": "none", "loss_type": "softmax"}])
+                                         {"pos_encodings": "none", "loss_type": "softmax"},
+                                         {"pos_embedding": "learned"}])
     def test_options_train(self, options):
         model = self.build(FPRMForPuzzles, **options).train()
         batch = self.puzzle_batch(model.config)
@@ -107,6 +108,7 @@ class TestFPRM(PuzzleModelTesterMixin):
         names = dict(model.named_parameters())
         assert ("model.alpha_logits" in names) == (options.get("residual_scale", "learned") == "learned")
         assert ("model.conv.conv.weight" in names) == ("conv" in options)
+        assert ("model.pos_embed.weight" in names) == ("pos_embedding" in options)
         if options.get("spectral_norm"):
             assert any("parametrizations" in n for n in names)
 
@@ -124,6 +126,35 @@ class TestFPRM(PuzzleModelTesterMixin):
         kw = model.train()._solver(None)
         # training: fpopt's 0.9, the stop rule; the decay waits while the residual is below fp_tol (research code)
         assert kw["solver_kwargs"] == {"threshold": 0.1} and kw["stop_fraction"] == 0.5
+
+    def test_learned_position_embedding_float64(self):
+        # Silent sublayers: the fixed point is a1^(2L) x with x = (sqrt(D) emb + sqrt(D) pos) / sqrt(2), pos the
+        # learned row of each position (prefix included).
+        model = self.silent(pos_embedding="learned").eval()
+        assert model.pos_embed.weight.shape == (1 + 9, 16)
+        with torch.no_grad():
+            model.pos_embed.weight.normal_()
+        inputs = self.prepare_inputs(model.config)
+        with torch.no_grad():
+            out = model(**inputs)
+            x = model.trunk.embed(inputs["input_ids"], inputs["puzzle_identifiers"])
+            x = (x + 4.0 * model.pos_embed.weight) / 2**0.5
+            a1 = torch.sigmoid(model.alpha_logits[0])
+        assert out.fp_stats.converged.all()
+        torch.testing.assert_close(out.last_hidden_state, (a1**4 * x)[:, 1:], rtol=1e-10, atol=1e-10)
+        with pytest.raises(ValueError, match="pos_embedding='learned' has one row per position of seq_len=9"):
+            model(torch.randint(0, 11, (2, 18)))
+
+    def test_learned_position_embedding_survives_save_and_load(self, tmp_path):
+        model = self.build(FPRMForPuzzles, pos_embedding="learned").eval()
+        with torch.no_grad():
+            model.model.pos_embed.weight.normal_()
+        model.save_pretrained(tmp_path)
+        loaded = FPRMForPuzzles.from_pretrained(tmp_path).eval()
+        torch.testing.assert_close(loaded.model.pos_embed.weight, model.model.pos_embed.weight, rtol=0, atol=0)
+        batch = self.puzzle_batch(model.config)
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(**batch).logits, model(**batch).logits, rtol=0, atol=0)
 
     def test_longer_inputs_than_training(self):
         model = self.build(FPRMForPuzzles).eval()
@@ -147,6 +178,8 @@ class TestFPRM(PuzzleModelTesterMixin):
             self.get_config(causal=True, conv="2d", grid_shape=[3, 3])
         with pytest.raises(ValueError, match="residual_scale"):
             self.get_config(residual_scale="input-dependent")
+        with pytest.raises(ValueError, match=r"pos_embedding='rope' is not allowed.*'none', 'learned'"):
+            self.get_config(pos_embedding="rope")
 
     def test_evaluation_output_does_not_depend_on_the_batch(self):
         # The seeded starting noise is the same for every slot: a puzzle alone, first or last in a batch gives the
