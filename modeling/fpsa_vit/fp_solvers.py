@@ -576,28 +576,17 @@ class _SolveLoop:
     def _evaluate(self):
         """One evaluation of ``f`` on the working rows: ``(f(z), f(z) - z, residual)``, all ``(rows, ...)``."""
         z, wshape = self.z, self.wshape
-        if self.plain:  # the residual comes with the done rows already at +inf (one op instead of two)
-            fz = self.f(z if self.flat else z.view(wshape), *self.wargs)
-            if fz.shape != wshape:
-                self._raise_shape(fz)
-            if not self.flat:
-                fz = fz.reshape(z.shape)
-            gz = fz - z
-            r, inf_done = torch.linalg.vector_norm(gz, dim=1), self.inf_done
-            if self.opts.stop_mode == "abs":
-                return fz, gz, (r if inf_done is None else r + inf_done)
-            den = torch.linalg.vector_norm(fz, dim=1) + self.eps
-            return fz, gz, (r / den if inf_done is None else torch.addcdiv(inf_done, r, den))
-        zin = z if self.flat else z.view(wshape)
         extra = {}
         if self.opts.pass_active:
             extra["active"] = None if self.done is None else (~self.done).view(wshape[:self.opts.batch_dims])
-        fz = self.f(zin, *self.wargs, **extra)
+        fz = self.f(z if self.flat else z.view(wshape), *self.wargs, **extra)
         if fz.shape != wshape:
             self._raise_shape(fz)
         if not self.flat:
             fz = fz.reshape(z.shape)
         gz = fz - z
+        if self.plain:
+            return fz, gz, self._plain_residual(gz, fz)
         if self.residual_fn is None:
             res = _residual(gz, fz, self.opts.stop_mode, self.opts.norm, self.row_size, self.rmask, self.acc, self.eps)
         else:
@@ -610,6 +599,15 @@ class _SolveLoop:
                 res if self.done is None else res.masked_fill(self.done, math.nan))
             self.trace.append(row)
         return fz, gz, res
+
+    def _plain_residual(self, gz, fz):
+        """The l2 residual with the done rows already at +inf: one op (``addcdiv``) instead of a division here and
+        an addition in ``_reduce``, which the general path pays."""
+        r, inf_done = torch.linalg.vector_norm(gz, dim=1), self.inf_done
+        if self.opts.stop_mode == "abs":
+            return r if inf_done is None else r + inf_done
+        den = torch.linalg.vector_norm(fz, dim=1) + self.eps
+        return r / den if inf_done is None else torch.addcdiv(inf_done, r, den)
 
     def _raise_shape(self, fz):
         raise ValueError(f"f returned shape {tuple(fz.shape)} for an input of shape {tuple(self.wshape)}; "
