@@ -31,8 +31,15 @@ def _expand(s, like):
     return s.reshape(s.shape + (1,) * (like.dim() - s.dim()))
 
 
-def _make_product(f, z, product):
-    """Return ``prod(v, graph)`` computing ``J v`` (``jvp``, ``double_backward``) or ``J^T v`` (``vjp``)."""
+def _make_product(f, z, product, fz=None):
+    """Return ``prod(v, graph)`` computing ``J v`` (``jvp``, ``double_backward``) or ``J^T v`` (``vjp``); ``fz``:
+    ``f(z)`` already evaluated with a graph from ``z`` (which requires grad), used instead of evaluating ``f``."""
+    if fz is not None:
+        if product == "jvp":
+            raise ValueError("product='jvp' evaluates f in forward mode and cannot reuse fz; use 'vjp' or "
+                             "'double_backward', or pass fz=None.")
+        if not (z.requires_grad and fz.requires_grad):
+            raise ValueError("fz must be f(z) evaluated with a graph from z, and z must require grad.")
     if product == "jvp":
 
         def prod(v, graph):
@@ -40,9 +47,10 @@ def _make_product(f, z, product):
             return out if graph else out.detach()
 
         return prod
-    z = z if z.requires_grad else z.detach().requires_grad_()
-    with torch.enable_grad():
-        fz = f(z)
+    if fz is None:
+        z = z if z.requires_grad else z.detach().requires_grad_()
+        with torch.enable_grad():
+            fz = f(z)
     if product == "vjp":
 
         def prod(v, graph):
@@ -70,6 +78,7 @@ def spectral_radius(
     create_graph: bool = False,
     generator: Optional[torch.Generator] = None,
     return_vector: bool = False,
+    fz: Optional[torch.Tensor] = None,
 ):
     """Power-iteration estimate of the spectral radius of ``J = df/dz`` at ``z``, per entry.
 
@@ -83,13 +92,15 @@ def spectral_radius(
         product: ``vjp``, ``jvp`` or ``double_backward``.
         v0: starting vector shaped like ``z`` (warm start: pass the vector returned last time); random if None.
         return_vector: also return the normalized vector for the next warm start.
+        fz: ``f(z)`` already evaluated with a graph from ``z`` (``z`` requires grad; e.g. the evaluation that
+            ``fixed_point``'s ``evaluation_hook`` receives): the products reuse it instead of evaluating ``f`` again.
 
     Returns:
         ``rho`` shaped ``z.shape[:batch_dims]`` (and the vector if asked).
     """
     check_number(n_iter, "n_iter", low=1, integer=True)
     check_choice(product, "product", PRODUCTS)
-    prod = _make_product(f, z, product)
+    prod = _make_product(f, z, product, fz)
     v = torch.randn(z.shape, generator=generator, dtype=z.dtype, device=z.device) if v0 is None else v0.detach()
     v = v / _expand(_entry_norm(v, batch_dims) + 1e-12, v)
     for i in range(n_iter):
@@ -112,13 +123,15 @@ def jacobian_frobenius(
     batch_dims: int = 1,
     create_graph: bool = True,
     generator: Optional[torch.Generator] = None,
+    fz: Optional[torch.Tensor] = None,
 ):
     """Hutchinson estimate of ``||J||_F^2`` per entry: mean over Gaussian ``e`` of ``||e^T J||^2``.
 
-    Divide by the entry size for the normalization of torchdeq's ``jac_reg`` (mean of ``||J||_F^2 / d``).
+    Divide by the entry size for the normalization of torchdeq's ``jac_reg`` (mean of ``||J||_F^2 / d``). ``fz``:
+    as in ``spectral_radius`` (reuse an evaluation ``f(z)`` with its graph).
     """
     check_number(n_samples, "n_samples", low=1, integer=True)
-    prod = _make_product(f, z, "vjp")
+    prod = _make_product(f, z, "vjp", fz)
     total = 0.0
     for _ in range(n_samples):
         e = torch.randn(z.shape, generator=generator, dtype=z.dtype, device=z.device)

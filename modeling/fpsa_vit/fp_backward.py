@@ -33,31 +33,23 @@ BACKWARDS = Registry("backward mode")
 
 
 class _ImplicitGrad(torch.autograd.Function):
-    """Identity on ``z*`` in the forward; in the backward, solves the adjoint system and sends ``u`` into ``f(z*)``."""
+    """Identity on ``z*`` in the forward; in the backward, solves the adjoint system with the graph of ``fh = f(h)``
+    (``h = z*`` as a leaf that requires grad, built once in the forward) and sends ``u`` into ``fh``."""
 
     @staticmethod
-    def forward(ctx, z_star, fz_star, f, options, clip, stats, mask):
-        ctx.f, ctx.options, ctx.clip, ctx.stats, ctx.mask = f, options, clip, stats, mask
-        # The backward re-evaluates f; it must see the autocast state of the forward (bf16 activations with fp32
-        # weights otherwise meet in one matmul and fail).
-        device = z_star.device.type
-        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-        ctx.save_for_backward(z_star)
+    def forward(ctx, z_star, fh, h, options, clip, stats, mask):
+        ctx.options, ctx.clip, ctx.stats, ctx.mask = options, clip, stats, mask
+        ctx.save_for_backward(fh, h)
         return z_star.clone()
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        (z_star,) = ctx.saved_tensors
-        device, enabled, dtype = ctx.autocast
-        with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
-            h = z_star.detach().requires_grad_()
-            fh = ctx.f(h)
-        mask = ctx.mask
-
-        clip = ctx.clip
+        fh, h = ctx.saved_tensors
+        mask, clip = ctx.mask, ctx.clip
 
         def adjoint_map(u):
+            # Re-entrant: the outer backward reaches fh's graph only after this returns, so it is still whole.
             (jtu,) = torch.autograd.grad(fh, h, u.to(fh.dtype), retain_graph=True)
             jtu = jtu.to(u.dtype)
             if clip is not None:  # per sample: ||J^T u|| <= clip * ||u|| keeps the adjoint map contractive
@@ -84,9 +76,22 @@ class _ImplicitGrad(torch.autograd.Function):
         return None, u, None, None, None, None, None
 
 
+def differentiable_evaluation(f: Callable, z_star: torch.Tensor):
+    """``(h, f(h))`` with ``h`` a leaf copy of ``z*`` that requires grad: the graph an implicit backward and a
+    Jacobian regulariser at the fixed point can share (``fixed_point``'s ``evaluation_hook``)."""
+    h = z_star.detach().requires_grad_()
+    return h, f(h)
+
+
 def _straight_through(z_star, z_grad):
     """Value of ``z_star``, gradient of ``z_grad``."""
     return z_star + (z_grad - z_grad.detach())
+
+
+def _evaluate_for(hook, f, z_star):
+    """The modes other than ``ift`` build no graph at ``h = z*``: give ``hook`` one of its own."""
+    if hook is not None:
+        hook(*differentiable_evaluation(f, z_star))
 
 
 def _picard_unroll(f, z, steps, damping):
@@ -97,9 +102,10 @@ def _picard_unroll(f, z, steps, damping):
 
 @BACKWARDS.register("ift")
 def ift(f, z0, z_star, stats, *, solver="anderson", tol=None, max_iter=None, solver_kwargs=None, mask=None,
-        clip=None, _forward=None):
+        clip=None, _forward=None, _hook=None):
     """Implicit differentiation; defaults: forward tolerance and cap (``_forward``, the forward ``SolveOptions``),
-    Anderson adjoint.
+    Anderson adjoint. One evaluation ``f(h)`` with a graph serves the adjoint's products, the gradient of what ``f``
+    uses, and ``_hook`` (``fixed_point``'s ``evaluation_hook``).
 
     ``clip`` (adjoint gradient clipping, as in the Attractor models' code): inside the adjoint map, rescale ``J^T u``
     per sample so that ``||J^T u|| <= clip * ||u||``; with ``clip < 1`` the adjoint iteration stays a contraction even
@@ -108,31 +114,34 @@ def ift(f, z0, z_star, stats, *, solver="anderson", tol=None, max_iter=None, sol
     options = SolveOptions(solver=solver, tol=_forward.tol if tol is None else tol, stop_mode="rel",
                            max_iter=_forward.max_iter if max_iter is None else max_iter,
                            solver_kwargs=solver_kwargs or None, return_mode="last")
-    fz = f(z_star)
-    if not fz.requires_grad:
-        return z_star
+    h, fh = differentiable_evaluation(f, z_star)
+    if _hook is not None:
+        _hook(h, fh)
     if isinstance(mask, str):
         mask = stats.converged
     if mask is not None:
         mask = mask.to(z_star.dtype).reshape(mask.shape + (1,) * (z_star.dim() - mask.dim()))
-    return _ImplicitGrad.apply(z_star, fz, f, options, clip, stats, mask)
+    return _ImplicitGrad.apply(z_star, fh, h, options, clip, stats, mask)
 
 
 @BACKWARDS.register("phantom")
-def phantom(f, z0, z_star, stats, *, steps=5, damping=1.0, _forward=None):
+def phantom(f, z0, z_star, stats, *, steps=5, damping=1.0, _forward=None, _hook=None):
     """Phantom gradient: ``steps`` damped steps from ``z*`` with gradient."""
+    _evaluate_for(_hook, f, z_star)
     return _straight_through(z_star, _picard_unroll(f, z_star, steps, damping))
 
 
 @BACKWARDS.register("one_step")
-def one_step(f, z0, z_star, stats, *, _forward=None):
+def one_step(f, z0, z_star, stats, *, _forward=None, _hook=None):
     """Jacobian-free backprop: one step ``f(z*)`` with gradient."""
+    _evaluate_for(_hook, f, z_star)
     return _straight_through(z_star, f(z_star))
 
 
 @BACKWARDS.register("bptt")
-def bptt(f, z0, z_star, stats, *, steps=None, damping=1.0, _forward=None):
+def bptt(f, z0, z_star, stats, *, steps=None, damping=1.0, _forward=None, _hook=None):
     """Backprop through a Picard unroll (see module docstring)."""
+    _evaluate_for(_hook, f, z_star)
     if steps is None or steps >= stats.nfe:
         return _straight_through(z_star, _picard_unroll(f, z0, stats.nfe, damping))
     return _straight_through(z_star, _picard_unroll(f, z_star, steps, damping))
@@ -167,7 +176,8 @@ def backward_kwargs_check(backward: str, kwargs: Optional[dict], argument: str =
 
 def fixed_point(f: Callable, z0: torch.Tensor, *, args: Sequence = (), options: Optional[SolveOptions] = None,
                 backward: str = "ift", backward_kwargs: Optional[dict] = None, row_mask: Optional[torch.Tensor] = None,
-                residual_fn: Optional[Callable] = None, check: bool = True, **option_changes):
+                residual_fn: Optional[Callable] = None, check: bool = True,
+                evaluation_hook: Optional[Callable] = None, **option_changes):
     """Find ``z* = f(z*, *args)`` and make it differentiable with respect to everything ``f`` uses.
 
     Args:
@@ -180,6 +190,10 @@ def fixed_point(f: Callable, z0: torch.Tensor, *, args: Sequence = (), options: 
         backward_kwargs: options of the backward mode: ``ift``: ``solver``, ``tol``, ``max_iter``,
             ``solver_kwargs``, ``mask``, ``clip``; ``phantom``: ``steps``, ``damping``; ``bptt``: ``steps``,
             ``damping``.
+        evaluation_hook: with gradients enabled, called as ``evaluation_hook(h, fh)`` with ``h`` a leaf copy of
+            ``z*`` that requires grad and ``fh = f(h, *args)`` with its graph: a Jacobian regulariser at the fixed
+            point (``fp_jacobian``'s ``fz=``) reuses it. ``ift`` builds its backward on the same evaluation, so the
+            regulariser costs no extra evaluation of ``f``; the other modes evaluate once more for it.
 
     Returns:
         ``(z_star, stats)``: ``z_star`` shaped like ``z0``; ``stats`` a ``FixedPointStats``.
@@ -198,8 +212,8 @@ def fixed_point(f: Callable, z0: torch.Tensor, *, args: Sequence = (), options: 
     args = tuple(args)
     fn = (lambda z: f(z, *args)) if args else f
     mode = BACKWARDS.get(backward)
-    z_out = mode(fn, z0, z_star, stats, **(backward_kwargs or {}), _forward=opts)
+    z_out = mode(fn, z0, z_star, stats, **(backward_kwargs or {}), _forward=opts, _hook=evaluation_hook)
     return z_out, stats
 
 
-__all__ = ["BACKWARDS", "backward_kwargs_check", "fixed_point"]
+__all__ = ["BACKWARDS", "backward_kwargs_check", "differentiable_evaluation", "fixed_point"]

@@ -254,21 +254,25 @@ def fpsa_attention(
             raise ValueError("fpsa_halting='learned' needs a halting_gate.")
         return _learned_halting(fmap.step, fmap.state, o1, w1, args, max_iter, halting_gate, opts.halt_threshold,
                                 margin_fn)
-    o, solve_stats, iterations, converged = _tolerance_solve(fmap, o1, args, fp_kwargs, opts)
+    penalty = {}
+    hook = None
+    if opts.jac_penalty and max_iter > 1 and torch.is_grad_enabled():
+        def hook(h, fh):  # the penalty shares the backward's evaluation of the map at the fixed point
+            penalty["jac"] = _jacobian_penalty(h, fh, opts.jac_norm, opts.jac_target)
+    o, solve_stats, iterations, converged = _tolerance_solve(fmap, o1, args, fp_kwargs, opts, hook)
     weights = w1 if max_iter == 1 else None
     if opts.return_weights and max_iter > 1:
         _, weights = fmap.attend(fmap.state(o, residual), value, attention_mask, extra)
     final_state = (x if max_iter == 1 else fmap.state(o, residual)) if opts.return_state else None
-    penalty = rho = None
-    if opts.jac_penalty and max_iter > 1 and torch.is_grad_enabled():
-        penalty, rho = _jacobian_penalty(fmap.f, o, args, opts.jac_norm, opts.jac_target)
+    penalty, rho = penalty.get("jac", (None, None))
     return FPSAResult(output=o.flatten(2), attn_weights=weights, iterations=iterations, converged=converged,
                       max_iter=max_iter, stats=solve_stats, state=final_state, jac_penalty=penalty, jac_rho=rho)
 
 
-def _tolerance_solve(fmap: _LayerMap, o1, args, fp_kwargs, opts: FPSAOptions):
+def _tolerance_solve(fmap: _LayerMap, o1, args, fp_kwargs, opts: FPSAOptions, hook=None):
     """The loop after the exact first step ``o1``: ``(o, solve stats, iterations, converged)``, counts per (token,
-    head) with the first step included."""
+    head) with the first step included. ``hook``: ``fixed_point``'s ``evaluation_hook`` (the Jacobian penalty); its
+    evaluation of the map, with gradients, runs on the math attention kernel (the penalty needs a double backward)."""
     B, T, H = o1.shape[:3]
     ones = torch.ones(B, T, H, dtype=torch.long, device=o1.device)
     max_iter = fp_kwargs["max_iter"]
@@ -289,10 +293,11 @@ def _tolerance_solve(fmap: _LayerMap, o1, args, fp_kwargs, opts: FPSAOptions):
         keys = torch.empty((B, value.shape[1], T, value.shape[-1]), dtype=value.dtype, device=value.device)
         stale = torch.ones(B, T, dtype=torch.bool, device=o1.device)
         sparse_f = _open_tokens_map(fmap.state, fmap.scaled_query, fmap.key, fmap.attend_rows, fmap.step_norm)
-        o, stats = fixed_point(sparse_f, o1, args=(residual, value, mask, keys, stale), batch_dims=batch_dims,
-                               compact=True, pass_active=True, **kw)
+        o, stats = fixed_point(_math_with_grad(sparse_f, hook), o1, args=(residual, value, mask, keys, stale),
+                               batch_dims=batch_dims, compact=True, pass_active=True, evaluation_hook=hook, **kw)
     else:
-        o, stats = fixed_point(fmap.f, o1, args=args, batch_dims=batch_dims, compact=True, **kw)
+        o, stats = fixed_point(_math_with_grad(fmap.f, hook), o1, args=args, batch_dims=batch_dims, compact=True,
+                               evaluation_hook=hook, **kw)
     nstep, converged = stats.nstep, stats.converged
     if opts.halt_unit != "head":  # one entry per token: every head of it shares the count
         nstep, converged = nstep[..., None], converged[..., None].expand_as(ones)
@@ -317,15 +322,30 @@ def _state_change(state):
     return residual
 
 
-def _jacobian_penalty(f, o, args, jac_norm, jac_target):
-    """The differentiable Jacobian penalty of ``f(., *args)`` at the fixed point ``o`` and, for ``spectral``, the
-    mean spectral radius (see ``fpsa_attention``'s ``jac_penalty``): ``(penalty, rho or None)``."""
-    # The penalty's gradient is a double backward: SDPA's fused CPU/GPU kernels have none, its math one has.
-    with sdpa_kernel(SDPBackend.MATH):
-        if jac_norm == "frobenius":
-            fro = jacobian_frobenius(lambda z: f(z, *args), o.detach(), batch_dims=0, create_graph=True)
-            return fro / o.numel(), None
-        rhos = spectral_radius(lambda z: f(z, *args), o.detach(), n_iter=JAC_POWER_ITERS, create_graph=True)
+def _math_with_grad(f, hook):
+    """``f``, with its evaluations under gradients on SDPA's math kernel when ``hook`` (the Jacobian penalty) will
+    take a double backward through them: the fused CPU/GPU kernels have none. The solve's own evaluations keep the
+    fused kernels."""
+    if hook is None:
+        return f
+
+    def f_math(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return f(*args, **kwargs)
+        with sdpa_kernel(SDPBackend.MATH):
+            return f(*args, **kwargs)
+
+    return f_math
+
+
+def _jacobian_penalty(h, fh, jac_norm, jac_target):
+    """The differentiable Jacobian penalty of the map at the fixed point ``h`` from its evaluation ``fh = f(h)``
+    (with a graph) and, for ``spectral``, the mean spectral radius (see ``fpsa_attention``'s ``jac_penalty``):
+    ``(penalty, rho or None)``."""
+    if jac_norm == "frobenius":
+        fro = jacobian_frobenius(None, h, batch_dims=0, create_graph=True, fz=fh)
+        return fro / h.numel(), None
+    rhos = spectral_radius(None, h, n_iter=JAC_POWER_ITERS, create_graph=True, fz=fh)
     return torch.relu(rhos - jac_target).square().mean(), rhos.detach().mean()
 
 

@@ -136,7 +136,7 @@ def test_gradients_flow_in_eval_mode_and_closures():
 
 
 def test_ift_backward_under_bf16_autocast():
-    # The adjoint re-evaluates f in the forward's autocast state: fp32 weights, bf16 activations.
+    # The adjoint reuses the evaluation of f made under the forward's autocast: fp32 weights, bf16 activations.
     torch.manual_seed(0)
     lin = torch.nn.Linear(16, 16)
     with torch.no_grad():
@@ -222,3 +222,43 @@ def test_masked_adjoint_converged_keyword():
 
 def test_backward_registry():
     assert BACKWARDS.names() == sorted(MODES)
+
+
+def test_ift_evaluates_f_once_with_gradients_and_shares_it_with_the_hook():
+    # One evaluation with a graph serves the adjoint, the parameter gradient and a Jacobian regulariser: a loss with a
+    # Hutchinson penalty on it has the gradient of the exact implicit term plus the penalty's own (float64).
+    from hf_fixedpoint.core.fp_jacobian import jacobian_frobenius
+
+    f, W, x = tanh_problem(B=3, D=6, norm=0.9)
+    c = torch.randn(3, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    zs, gW, _ = exact_gradients(f, W, x, c)
+    graph_calls, seen = [], {}
+
+    def counted(z, x):
+        graph_calls.append(torch.is_grad_enabled())
+        return f(z, x)
+
+    def hook(h, fh):
+        seen["h"] = h
+        seen["penalty"] = jacobian_frobenius(None, h, batch_dims=0, fz=fh, generator=torch.Generator().manual_seed(2))
+
+    W.grad = None
+    z, _ = fixed_point(counted, torch.zeros(3, 6, dtype=torch.float64), args=(x,), tol=1e-12, max_iter=2000,
+                       backward_kwargs=TIGHT, evaluation_hook=hook)
+    ((z * c).sum() + seen["penalty"]).backward()
+    assert sum(graph_calls) == 1  # the forward solve runs without a graph, the backward does not re-evaluate f
+    assert rel_err(seen["h"].detach(), zs) < 1e-10
+    ref = jacobian_frobenius(lambda v: f(v, x), zs, batch_dims=0, generator=torch.Generator().manual_seed(2))
+    (g_pen,) = torch.autograd.grad(ref, W)
+    assert rel_err(W.grad, gW + g_pen) < 1e-8
+
+
+@pytest.mark.parametrize("mode", ["phantom", "one_step", "bptt"])
+def test_other_modes_give_the_hook_an_evaluation_at_z_star(easy, mode):
+    f, W, x, c, zs, gW, gx = easy
+    seen = []
+    fixed_point(f, torch.zeros_like(x.detach()), args=(x,), tol=1e-12, max_iter=2000, backward=mode,
+                evaluation_hook=lambda h, fh: seen.append((h, fh)))
+    ((h, fh),) = seen
+    assert h.requires_grad and rel_err(h.detach(), zs) < 1e-10
+    torch.testing.assert_close(fh, f(h, x))

@@ -397,3 +397,33 @@ def test_jacobian_frobenius_bad_n_samples(n_samples):
     a = symmetric_matrix(SYM_EIGS)
     with pytest.raises(ValueError, match="n_samples"):
         jacobian_frobenius(linear_map(a), torch.randn(2, 8, dtype=DT), n_samples=n_samples)
+
+
+@pytest.mark.parametrize("product", ["vjp", "double_backward"])
+def test_estimates_reuse_a_given_evaluation_fz(product):
+    # fz= (the evaluation fixed_point's evaluation_hook hands over) gives the same numbers and gradients, float64.
+    torch.manual_seed(0)
+    W = (0.3 * torch.randn(6, 6, dtype=torch.float64)).requires_grad_()
+
+    def f(z):
+        return torch.tanh(z @ W.T + 0.5)
+
+    z = torch.randn(3, 6, dtype=torch.float64)
+    for estimate, kw in ((spectral_radius, {"n_iter": 4, "product": product}), (jacobian_frobenius, {})):
+        ref = estimate(f, z, generator=torch.Generator().manual_seed(1), create_graph=True, **kw)
+        h = z.clone().requires_grad_()
+        fh = f(h)
+        shared = estimate(None, h, generator=torch.Generator().manual_seed(1), create_graph=True, fz=fh, **kw)
+        torch.testing.assert_close(shared, ref, rtol=1e-12, atol=1e-12)
+        (g_ref,) = torch.autograd.grad(ref.sum(), W)
+        (g_shared,) = torch.autograd.grad(shared.sum(), W)
+        torch.testing.assert_close(g_shared, g_ref, rtol=1e-12, atol=1e-12)
+
+
+def test_fz_needs_a_graph_from_z_and_no_jvp():
+    z = torch.randn(2, 3)
+    with pytest.raises(ValueError, match="z must require grad"):
+        jacobian_frobenius(None, z, fz=torch.tanh(z))
+    h = z.clone().requires_grad_()
+    with pytest.raises(ValueError, match="product='jvp'"):
+        spectral_radius(None, h, product="jvp", fz=torch.tanh(h))
