@@ -15,7 +15,8 @@ Tasks (trained here with the recipes' model and optimiser defaults unless ``--se
 * ``rid``: FPSA-1L on Randomized Induction with Distractors (``benchmarks.bench_rid``), next to TF-1L (the same
   model with ``fp_max_iter=1``); also prints iterations against the number of distractors K (difficulty).
 * ``vit``: the ``recipes/fpsa_vit.py`` from-scratch FPSA-ViT on sklearn digits, next to the same model with plain
-  attention (``fp_max_iter=1``) at matched parameters and steps, and at matched training time; or, with
+  attention (``fp_max_iter=1``) at matched parameters and steps, at matched training time and at matched training
+  FLOPs (``step_flops_ratio``: FLOPs of an FPSA training step over a plain one, counted); or, with
   ``--checkpoint``, the profile of a ``recipes/fpsa_vit.py`` export on its test split.
 * ``glue``: load an export of ``recipes/fpsa_glue.py`` with ``--checkpoint`` and profile it on SST-2 validation
   sentences (``--glue_file``, default the recipe's tiny local set); also prints mean iterations against sentence
@@ -256,12 +257,30 @@ def vit_comparison(knobs, seed, train_xy, test_xy, collate, shape, epochs, log_e
     rows["ViT"] = {"seconds": vit_seconds, "accuracy": run_eval(vit, test, ONE_STEP, argmax_score)[0]}
     fpsa, seconds = train(knobs, steps)
     rows["FPSA-ViT"] = {"seconds": seconds, **profile(fpsa, test, argmax_score)}
-    # Plain attention given the FPSA model's training time (more epochs, same schedule shape).
-    matched_steps = int(steps * min(seconds / max(vit_seconds, 1e-9), 20.0))
-    vit, vit_seconds = train({"fp_max_iter": 1}, matched_steps)
-    rows["ViT (matched time)"] = {"seconds": vit_seconds, "steps": matched_steps,
-                                  "accuracy": run_eval(vit, test, ONE_STEP, argmax_score)[0]}
+    # FLOPs of one training step of each trained model, on the same batch: what a step costs without the per-op
+    # overhead that dominates the wall time of a model this small.
+    flops = train_step_flops(fpsa, batch_fn(0)) / train_step_flops(vit, batch_fn(0))
+    rows["FPSA-ViT"]["step_flops_ratio"] = flops
+    # Plain attention given the FPSA model's training time, and its training FLOPs (more epochs, same schedule shape).
+    for name, ratio in (("matched time", seconds / max(vit_seconds, 1e-9)), ("matched FLOPs", flops)):
+        matched_steps = int(steps * min(ratio, 20.0))
+        vit, vit_seconds = train({"fp_max_iter": 1}, matched_steps)
+        rows[f"ViT ({name})"] = {"seconds": vit_seconds, "steps": matched_steps,
+                                 "accuracy": run_eval(vit, test, ONE_STEP, argmax_score)[0]}
     return rows
+
+
+def train_step_flops(model, batch) -> int:
+    """FLOPs of one forward and backward pass of ``model`` (training mode, the optimizer not stepped), counted by
+    ``torch.utils.flop_counter`` with SDPA on its math kernel (the fused CPU kernel has no FLOP formula there)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model.train()
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        model(**batch).loss.backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
 
 
 # ---------------------------------------------------------------------------------------------------- exports

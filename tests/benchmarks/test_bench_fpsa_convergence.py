@@ -14,7 +14,11 @@ def test_rid_and_vit_smoke_with_knobs(tmp_path, capsys):
     results = main(["--tasks", "rid", "vit", "--rid_steps", "3", "--rid_max_distractors", "4", "--vit_epochs", "0.1",
                     "--set", "fpsa_jac_weight=2.5", "--set", "fp_max_iter=5", "--json", str(out_file)])
     rid, vit = results["rid/seed0"], results["vit/seed0"]
-    assert set(rid) == {"TF-1L", "FPSA-1L"} and set(vit) == {"ViT", "FPSA-ViT", "ViT (matched time)"}
+    assert set(rid) == {"TF-1L", "FPSA-1L"}
+    assert set(vit) == {"ViT", "FPSA-ViT", "ViT (matched time)", "ViT (matched FLOPs)"}
+    # the iterations, their backward and the Jacobian penalty cost FLOPs that one plain step does not have
+    assert 1.2 < vit["FPSA-ViT"]["step_flops_ratio"] < 20
+    assert vit["ViT (matched FLOPs)"]["steps"] == int(2 * vit["FPSA-ViT"]["step_flops_ratio"])  # 0.1 epoch: 2 steps
     for row, unit in ((rid["FPSA-1L"], "state"), (vit["FPSA-ViT"], "head")):  # RID's default: the state rule
         assert 1 <= row["median"] <= row["p90"] <= row["p99"] <= 100 and 0 <= row["cap_hit"] <= 1
         assert row["unit"] == unit and set(row["by_unit"]) == {"head", "token", "state"}
@@ -23,6 +27,32 @@ def test_rid_and_vit_smoke_with_knobs(tmp_path, capsys):
     saved = json.loads(out_file.read_text())
     assert saved["knobs"] == {"fpsa_jac_weight": 2.5, "fp_max_iter": 5}
     assert "| rid/seed0 | FPSA-1L |" in capsys.readouterr().out
+
+
+def test_train_step_flops_counts_the_attention_and_the_iterations():
+    import warnings
+
+    from benchmarks.bench_fpsa_convergence import train_step_flops
+    from hf_fixedpoint.modeling.fpsa_vit import FPSAViTConfig, FPSAViTForImageClassification
+
+    def model(**kw):
+        torch.manual_seed(0)
+        return FPSAViTForImageClassification(FPSAViTConfig(
+            hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, num_labels=3,
+            image_size=4, patch_size=2, num_channels=1, **kw))
+
+    batch = {"pixel_values": torch.randn(2, 1, 4, 4), "labels": torch.tensor([0, 2])}
+    # Batch 2, T = 5 tokens (4 patches and CLS), width 16, 2 heads of 8. Forward: patch convolution 2*2*16*4*4,
+    # Q/K/V and W_O 4 * 2*2*5*16*16, scores and values 2 * 2*2*2*5*5*8, MLP 2 * 2*2*5*16*32, classifier 2*2*16*3.
+    # Backward: twice the forward, but only the convolution's weight gradient is taken (pixels need none).
+    conv, proj, attn, mlp, head = 1024, 2 * 2 * 5 * 16 * 16, 2 * 2 * 2 * 2 * 5 * 5 * 8, 20480, 192
+    forward = conv + 4 * proj + attn + mlp + head
+    assert train_step_flops(model(fp_max_iter=1), batch) == 2 * conv + 3 * (forward - conv) == 135104
+    # Three more iterations: each recomputes W_O, Q, K and the attention, forward alone.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the adjoint stops at its cap before 1e-12
+        iterated = train_step_flops(model(fp_max_iter=4, fp_tol=1e-12, fpsa_jac_weight=0.0), batch)
+    assert iterated > 135104 + 3 * (3 * proj + attn)
 
 
 def test_glue_profile_of_an_export(tmp_path):
@@ -95,7 +125,8 @@ def test_cifar_loader_and_smoke(tmp_path):
     results = main(["--tasks", "cifar", "--cifar_json", str(task), "--cifar_test", "10", "--cifar_epochs", "1",
                     "--set", "fp_max_iter=3"])
     rows = results["cifar/seed0"]
-    assert set(rows) == {"ViT", "FPSA-ViT", "ViT (matched time)"} and 1 <= rows["FPSA-ViT"]["median"] <= 100
+    assert set(rows) == {"ViT", "FPSA-ViT", "ViT (matched time)", "ViT (matched FLOPs)"}
+    assert 1 <= rows["FPSA-ViT"]["median"] <= 100
     with pytest.raises(ValueError, match="--cifar_json"):
         main(["--tasks", "cifar"])
 
