@@ -149,7 +149,7 @@ class TestFPRM(PuzzleModelTesterMixin):
 
     def test_removed_pos_embedding_is_refused(self, tmp_path):
         # FPRM's own pos_embedding (learned positions added on top of rope) moved to pos_encodings="learned" (in
-        # place of rope, as TRM/HRM); a saved config that still has it fails to load with a pointer, whatever its value.
+        # place of rope, as TRM/HRM); a saved config that still has it fails to load with a pointer, any value.
         for value in ("none", "learned"):
             with pytest.raises(ValueError, match=rf"pos_embedding='{value}' was removed from FPRMConfig.*"
                                                  "pos_encodings='learned'"):
