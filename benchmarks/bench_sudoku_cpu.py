@@ -36,12 +36,14 @@ from recipes import reasoning
 # 82 positions alone hold more parameters than the whole FPRM, so no hidden size matches it at expansion 4.
 # fprm_k17: the 2-D convolution widened to 17 x 17 (offsets -8..8), so every cell reads its whole row and column in
 # one step; with the research code's 3 x 3 kernel and rotary 1-d positions FPRM learns the row constraint only (a
-# blank alone in its row: 1.000, its column: no better than the others; docs/reasoning.md).
+# blank alone in its row: 1.000, its column: no better than the others; docs/reasoning.md). fprm_pos: the same 3 x 3
+# model with a learned embedding per cell (pos_encodings="learned", TRM/HRM's option) in place of the rotary one.
 VARIANTS = {
     "fprm": ("fprm", {"conv": "2d", "conv_kernel": 3}),
     "fprm_k17": ("fprm", {"conv": "2d", "conv_kernel": 17}),
     "fprm_linf": ("fprm", {"conv": "2d", "conv_kernel": 3, "fp_norm": "linf"}),
     "fprm_per_sample": ("fprm", {"conv": "2d", "conv_kernel": 3, "solve_mode": "per_sample"}),
+    "fprm_pos": ("fprm", {"conv": "2d", "conv_kernel": 3, "pos_encodings": "learned"}),  # learned, in place of rope
     "trm": ("trm", {}),
     "trm_mlp_t": ("trm", {"mlp_t": True, "pos_encodings": "none", "expansion": 2}),  # expansion 4: 2x the params
     "attractor": ("attractor", {}),

@@ -7,10 +7,11 @@
 ``_orig_mod.model.inner.L_level.layers.0.self_attn.qkv_proj.weight``); ``--config`` the run's ``all_config.yaml``
 (its ``arch`` section); ``--dataset_json`` the data's metadata (``vocab_size``, ``seq_len``,
 ``num_puzzle_identifiers``; without it they are read off the tensors, and ``--seq_len`` is needed). The family comes
-from ``arch.name`` (``--arch`` overrides it). Options the models here do not have (learned positions, spectral-norm
-linears, input-dependent residual scales, FPRM's ``mlp_t``, ...) are refused with their name. The Q head's second
-(Q-continue) output is dropped: the research code's default ``no_ACT_continue=True`` never uses it. The result is
-checked by loading every tensor strictly; save it with ``save_pretrained`` (``--output_dir``).
+from ``arch.name`` (``--arch`` overrides it). ``pos_encodings`` ``rope``, ``learned`` (its table
+``embed_pos.embedding_weight`` becomes ``trunk.input.embed_pos``) and ``none`` carry over. Options the models here do
+not have (spectral-norm linears, input-dependent residual scales, FPRM's ``mlp_t``, ...) are refused with their name.
+The Q head's second (Q-continue) output is dropped: the research code's default ``no_ACT_continue=True`` never uses
+it. The result is checked by loading every tensor strictly; save it with ``save_pretrained`` (``--output_dir``).
 """
 
 import argparse
@@ -32,6 +33,7 @@ LAYER_KEYS = {"self_attn.qkv_proj.weight": "mixer.qkv_proj.weight", "self_attn.o
               "mlp.dwconv.weight": "mlp.conv.weight",
               "mlp.dwconv.bias": "mlp.conv.bias"}
 SHARED_KEYS = {"embed_tokens.embedding_weight": "model.trunk.input.embed_tokens.weight",
+               "embed_pos.embedding_weight": "model.trunk.input.embed_pos.weight",
                "puzzle_emb.weights": "model.trunk.input.puzzle_emb.weights", "lm_head.weight": "heads.lm_head.weight",
                "H_init": "model.y_init", "L_init": "model.z_init", "init_hidden": "model.h_init",
                "L_optimizer.init_vec": "model.y_init", "L_level.conv.weight": "model.conv.conv.weight"}
@@ -61,7 +63,7 @@ def _shared_fields(cfg: dict, meta: dict) -> dict:
     hidden = cfg["hidden_size"]
     ndim = cfg.get("puzzle_emb_ndim", 0)
     length = cfg.get("puzzle_emb_len", 0) or -(ndim // -hidden)
-    _refuse(cfg, {"pos_encodings": (("rope", "none"), "rope")})
+    _refuse(cfg, {"pos_encodings": (("rope", "learned", "none"), "rope")})
     loss = cfg.get("loss", {}).get("loss_type", "stablemax_cross_entropy")
     if loss not in LOSSES:
         raise ValueError(f"the checkpoint's loss.loss_type={loss!r} has no counterpart here ({sorted(LOSSES)}).")

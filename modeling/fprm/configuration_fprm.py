@@ -14,7 +14,6 @@ INITS = ("noise", "fixed")
 INIT_NOISES = ("truncated", "normal")
 SOLVE_MODES = ("official", "per_sample")
 WINDOW_SOLVERS = ("fpopt", "picard")
-POS_EMBEDDINGS = ("none", "learned")
 
 # FPRM's solver: damped iteration with patience-based step decay on the per-token relative l-inf residual (the
 # largest over tokens, as in the official code), threshold 0.1.
@@ -30,7 +29,9 @@ class FPRMConfig(FixedPointConfigMixin, PretrainedConfig):
             the SwiGLU width is rounded up to (256 in the research code).
         num_puzzle_identifiers, puzzle_emb_len, puzzle_emb_ndim: puzzle-id table size, prefix positions ``P``
             (0 disables the puzzle embedding) and embedding width (None: ``hidden_size``; at most ``P * hidden``).
-        pos_encodings (``rope`` | ``none``), rope_theta, rms_norm_eps, forward_dtype (``float32`` | ``bfloat16`` |
+        pos_encodings (``rope`` | ``learned`` | ``none``: rotary attention, a learned embedding per position added
+            to the input injection in its place, as TRM/HRM's ``learned``, with inputs of length ``seq_len`` only, or
+            no positions), rope_theta, rms_norm_eps, forward_dtype (``float32`` | ``bfloat16`` |
             ``float64``: the activation dtype; weights stay float32), grid_shape (``[rows, cols]`` of the puzzle
             grid, needed by ``conv="2d"``).
         causal: causal attention (position ``t`` sees ``<= t``; FPRM's 1-d convolution is causal in any case), the
@@ -68,14 +69,6 @@ class FPRMConfig(FixedPointConfigMixin, PretrainedConfig):
             iterate ``y``. ``per_sample``: a puzzle that converges is frozen inside a window, a call without a
             state is a full ``fixed_point`` solve (any solver and backward mode) that stops per puzzle and returns
             ``f(y)``. ``official`` needs ``fp_solver`` ``fpopt`` or ``picard``.
-        pos_embedding: ``none`` (the research code's FPRM: positions only through ``pos_encodings``' rotary
-            attention and the convolution) or ``learned``: a learned absolute embedding per position (puzzle prefix
-            and grid, ``puzzle_emb_len + seq_len`` rows, initialized like the token embedding) added to the token
-            embedding before the ``sqrt(D)`` scale and scaled by ``1/sqrt(2)``, as TRM's ``pos_encodings="learned"``;
-            it adds to the rotary encoding (``pos_encodings="rope"``) or replaces it (``"none"``). Rotary relative
-            positions over the flattened 9x9 grid cannot single out a cell's column (offsets that are multiples of 9)
-            or box, so a Sudoku model without it learns the row constraint only; inputs must then be ``seq_len``
-            long.
         pad_id: input token of padding; its positions are left out of the ``token_linf`` residual (mixed-length
             grids converge); None counts every position (the research code; Sudoku has no padding).
         fp_*: fixed-point settings; FPRM defaults ``fp_solver="fpopt", fp_norm="token_linf", fp_tol=0.1``,
@@ -126,9 +119,14 @@ class FPRMConfig(FixedPointConfigMixin, PretrainedConfig):
         init_noise: str = "truncated",
         solve_mode: str = "official",
         pad_id: int = 0,
-        pos_embedding: str = "none",
         **kwargs,
     ):
+        if "pos_embedding" in kwargs:
+            raise ValueError(
+                f"pos_embedding={kwargs['pos_embedding']!r} was removed from FPRMConfig: learned positions are "
+                "pos_encodings='learned' (shared by every puzzle family; it replaces the rotary encoding, the old "
+                "option added to it). Delete pos_embedding from the config (with 'none' the model is the same) or use "
+                "pos_encodings='learned' instead.")
         fields = {k: v for k, v in locals().items() if k not in ("self", "kwargs", "__class__")}
         for key, value in {**fields, **pop_fp_kwargs(kwargs, FPRM_FP_DEFAULTS)}.items():
             setattr(self, key, value)
@@ -156,7 +154,6 @@ class FPRMConfig(FixedPointConfigMixin, PretrainedConfig):
         if solve_mode == "official" and self.fp_solver not in WINDOW_SOLVERS:
             raise ValueError(f"solve_mode='official' steps the research code's solver; fp_solver must be one of "
                              f"{WINDOW_SOLVERS}, got {self.fp_solver!r} (use solve_mode='per_sample').")
-        check_choice(pos_embedding, "pos_embedding", POS_EMBEDDINGS)
         if pad_id is not None:
             check_number(pad_id, "pad_id", low=0, integer=True)
         kwargs["auto_map"] = complete_auto_map(kwargs.get("auto_map"), self.family_auto_map)

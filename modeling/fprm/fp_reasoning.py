@@ -8,7 +8,8 @@
   ``SequenceMLP`` (TRM's ``mlp_t``), ``ShortConv`` (FPRM's depthwise 1-D or 2-D grid convolution) and
   ``ReasoningBlock`` (post- or pre-norm, optional FPRM residual scaling ``h <- a * h + b * sublayer(norm(h))``);
 * inputs: ``SparsePuzzleEmbedding`` (a table kept as a buffer and trained with sign-SGD, as in the research code) and
-  ``PuzzleInput`` (token embedding, puzzle prefix of ``puzzle_emb_len`` positions, ``sqrt(D)`` scale);
+  ``PuzzleInput`` (token embedding, puzzle prefix of ``puzzle_emb_len`` positions, optional learned positions,
+  ``sqrt(D)`` scale);
 * outputs: ``PuzzleHeads`` (LM head over the non-prefix positions and the Q-halt head read at position 0, or at the
   last position of a causal model);
 * the ACT outer loop with deep-supervision carry: ``new_carry``, ``reset_carry``, ``act_halt``;
@@ -283,20 +284,31 @@ class SparsePuzzleEmbedding(nn.Module):
         self.local_weights = self.local_ids = None
 
 
+# The research code's 1/sqrt(2) for learned positions, as it writes it (a rounded literal): float64 parity with its
+# forward needs the same constant.
+LEARNED_POS_SCALE = 0.707106781
+
+
 class PuzzleInput(nn.Module):
     """``sqrt(D) * cat(puzzle prefix, embed(tokens))``: the input injection ``x`` of shape ``(B, P + L, D)``.
 
     The puzzle embedding (``puzzle_emb_ndim`` wide, at most ``P * D``) is zero-padded to ``P`` prefix positions.
-    ``P = 0`` disables it.
+    ``P = 0`` disables it. With ``num_positions`` (TRM/HRM's ``pos_encodings="learned"``) a learned embedding per
+    position ``embed_pos`` (``(P + L, D)``, puzzle prefix included, initialized like the token embedding) is added
+    before the scale: ``sqrt(D) * 0.707106781 * (cat(prefix, embed(tokens)) + embed_pos)``; inputs must then have
+    exactly ``num_positions - P`` tokens.
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, num_puzzle_identifiers: int, puzzle_emb_len: int,
-                 puzzle_emb_ndim: int):
+                 puzzle_emb_ndim: int, num_positions: int = 0):
         super().__init__()
         self.hidden_size, self.prefix_len = hidden_size, puzzle_emb_len
         self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
         init_puzzle_weights(self.embed_tokens)
         self.puzzle_emb = SparsePuzzleEmbedding(num_puzzle_identifiers, puzzle_emb_ndim) if puzzle_emb_len else None
+        self.embed_pos = nn.Embedding(num_positions, hidden_size) if num_positions else None
+        if self.embed_pos is not None:
+            init_puzzle_weights(self.embed_pos)
 
     def forward(self, input_ids, puzzle_identifiers=None, dtype=torch.float32):
         emb = self.embed_tokens.weight.to(dtype)[input_ids]
@@ -307,6 +319,14 @@ class PuzzleInput(nn.Module):
             pe = self.puzzle_emb(puzzle_identifiers.long()).to(dtype)
             pe = F.pad(pe, (0, self.prefix_len * self.hidden_size - pe.shape[1]))
             emb = torch.cat([pe.view(B, self.prefix_len, self.hidden_size), emb], dim=1)
+        if self.embed_pos is not None:
+            rows = self.embed_pos.num_embeddings
+            if emb.shape[1] != rows:
+                raise ValueError(
+                    f"pos_encodings='learned' has one learned embedding per position: {rows} = puzzle_emb_len "
+                    f"{self.prefix_len} + seq_len {rows - self.prefix_len}; got input_ids of length "
+                    f"{input_ids.shape[1]}. Pass inputs of length seq_len (pos_encodings='rope' takes any length).")
+            emb = LEARNED_POS_SCALE * (emb + self.embed_pos.weight.to(dtype))
         return math.sqrt(self.hidden_size) * emb
 
 
@@ -333,16 +353,18 @@ class PuzzleHeads(nn.Module):
         return self.lm_head(h[:, self.prefix_len:]), self.q_head(h[:, self.q_position]).float()[:, 0]
 
 
-POS_ENCODINGS = ("rope", "none")
+POS_ENCODINGS = ("rope", "learned", "none")
 FORWARD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
 class PuzzleTrunk(nn.Module):
-    """What every puzzle family shares around its recurrence: the input injection and the rotary tables.
+    """What every puzzle family shares around its recurrence: the input injection and the positions.
 
     Reads ``vocab_size, hidden_size, num_attention_heads, num_puzzle_identifiers, puzzle_emb_len, puzzle_emb_ndim,
     pos_encodings, rope_theta, seq_len, forward_dtype`` from ``config``; ``apply_rotary`` is the rotary helper
-    (transformers' ``apply_rotary_pos_emb``).
+    (transformers' ``apply_rotary_pos_emb``). ``pos_encodings``: ``rope`` (rotary tables for attention, any input
+    length), ``learned`` (an embedding per position in the input injection, ``PuzzleInput.embed_pos``, in place of
+    rotary tables, as in TRM/HRM; inputs of length ``seq_len`` only) or ``none``.
     """
 
     def __init__(self, config, apply_rotary: Callable):
@@ -350,8 +372,9 @@ class PuzzleTrunk(nn.Module):
         c = config
         self.config, self.apply_rotary = c, apply_rotary
         self.prefix_len = c.puzzle_emb_len
+        positions = c.puzzle_emb_len + c.seq_len if c.pos_encodings == "learned" else 0
         self.input = PuzzleInput(c.vocab_size, c.hidden_size, c.num_puzzle_identifiers, c.puzzle_emb_len,
-                                 c.puzzle_emb_ndim or c.hidden_size)
+                                 c.puzzle_emb_ndim or c.hidden_size, positions)
         self.head_dim = c.hidden_size // c.num_attention_heads
         # A plain cache, not buffers: non-persistent buffers are not restored by from_pretrained's meta-device load.
         self._rope_cache = {}
@@ -605,7 +628,7 @@ class PuzzleSolverMixin:
     """The ``*ForPuzzles`` side of every family: a base model ``self.model`` (with ``inner`` and
     ``fresh_state(batch_size, device, seq_len)``) under ``PuzzleHeads`` ``self.heads``, one supervision step per
     call. Inputs may be longer than ``config.seq_len`` (length generalization) unless a layer is tied to the length
-    (``mlp_t``, ``conv="2d"``)."""
+    (``mlp_t``, ``conv="2d"``, ``pos_encodings="learned"``)."""
 
     def initial_carry(self, batch_size: int, device=None) -> dict:
         """An all-halted carry: pass it to the first call; every call returns the next one."""
@@ -685,6 +708,7 @@ __all__ = [
     "CONV_KINDS",
     "FORWARD_DTYPES",
     "IGNORE_INDEX",
+    "LEARNED_POS_SCALE",
     "LOSSES",
     "LOSS_TYPES",
     "MLP_KINDS",

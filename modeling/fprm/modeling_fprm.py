@@ -111,8 +111,6 @@ class FPRMModel(FPRMPreTrainedModel):
         else:
             self.register_buffer("alpha_logits", logits)
         self.register_buffer("y_init", trunc_normal_(torch.empty(c.hidden_size), std=1.0))
-        self.pos_embed = (nn.Embedding(c.puzzle_emb_len + c.seq_len, c.hidden_size) if c.pos_embedding == "learned"
-                          else None)
         self.post_init()
 
     def residual_scales(self):
@@ -257,21 +255,9 @@ class FPRMModel(FPRMPreTrainedModel):
                      **{f"solver_{k}": v.detach() for k, v in algo.state.items()}}
         return {"h": y, "x": x, "state": new_state, "stats": stats, "done": done, "iterations": used}
 
-    def embed(self, input_ids, puzzle_identifiers=None):
-        """The injection ``x``: the trunk's ``sqrt(D)`` scaled prefix and token embedding, with ``pos_embedding=
-        "learned"`` ``(x + sqrt(D) pos) / sqrt(2)`` (TRM's learned positions)."""
-        x = self.trunk.embed(input_ids, puzzle_identifiers)
-        if self.pos_embed is None:
-            return x
-        if input_ids.shape[1] != self.config.seq_len:
-            raise ValueError(f"pos_embedding='learned' has one row per position of seq_len={self.config.seq_len}; "
-                             f"got inputs of length {input_ids.shape[1]}.")
-        pos = self.pos_embed.weight.to(x.dtype) * self.config.hidden_size ** 0.5
-        return (x + pos) * 0.5 ** 0.5
-
     def inner(self, input_ids, puzzle_identifiers=None, state=None, fp_overrides=None):
         """The dict ``puzzle_step`` reads: ``h, state, stats, done, iterations`` (see the module docstring)."""
-        x = self.embed(input_ids, puzzle_identifiers)
+        x = self.trunk.embed(input_ids, puzzle_identifiers)
         kw = self._solver(fp_overrides)
         mask = self.residual_mask(input_ids)
         if self.config.solve_mode == "official":

@@ -96,6 +96,64 @@ class PuzzleModelTesterMixin(FixedPointModelTesterMixin):
         assert out.logits.shape[1] == self.seq_length
         assert (model.model.trunk.input.puzzle_emb is None) == (emb_len == 0)
 
+    # ---- learned positions (pos_encodings="learned", TRM/HRM's option, shared by every family) ---------------------
+    POS_TABLE = "model.trunk.input.embed_pos.weight"
+
+    def test_learned_positions_train_in_place_of_rope(self):
+        model = self.build_puzzle(pos_encodings="learned").train()
+        c, params = model.config, dict(model.named_parameters())
+        assert params[self.POS_TABLE].shape == (c.puzzle_emb_len + self.seq_length, c.hidden_size)
+        std = float(params[self.POS_TABLE].detach().std()) * c.hidden_size ** 0.5  # initialized like the tokens
+        assert 0.7 < std < 1.3, std
+        assert model.model.trunk.rope(c.puzzle_emb_len + self.seq_length) is None  # no rotary tables
+        out = model(**self.puzzle_batch(c), carry=model.initial_carry(4))
+        out.loss.backward()
+        assert torch.isfinite(out.loss) and params[self.POS_TABLE].grad.abs().sum() > 0
+        for other in ("rope", "none"):  # the table exists exactly with "learned"
+            assert self.POS_TABLE not in dict(self.build_puzzle(pos_encodings=other).named_parameters())
+        with pytest.raises(ValueError, match="pos_encodings='alibi' is not allowed. Allowed values: 'rope', "
+                                             "'learned', 'none'"):
+            self.get_config(pos_encodings="alibi")
+
+    def test_learned_positions_injection_float64(self):
+        # The research code: x = sqrt(D) * 0.707106781 * (cat(zero-padded puzzle embedding, tokens) + embed_pos),
+        # the table covering the puzzle prefix too; written out here from the raw tables.
+        model = self.build_puzzle(pos_encodings="learned", puzzle_emb_len=2, forward_dtype="float64").double().eval()
+        inp, D = model.model.trunk.input, model.config.hidden_size
+        with torch.no_grad():
+            inp.puzzle_emb.weights.normal_()
+        batch = self.puzzle_batch(model.config)
+        ids, pids = batch["input_ids"], batch["puzzle_identifiers"]
+        prefix = torch.nn.functional.pad(inp.puzzle_emb.weights[pids], (0, D)).view(4, 2, D)
+        tokens = torch.cat([prefix, inp.embed_tokens.weight[ids]], dim=1)
+        expected = D ** 0.5 * 0.707106781 * (tokens + inp.embed_pos.weight)
+        with torch.no_grad():
+            torch.testing.assert_close(model.model.trunk.embed(ids, pids), expected, rtol=0, atol=1e-14)
+            x, _ = model(**batch, output_hidden_states=True).hidden_states
+        torch.testing.assert_close(x, expected[:, 2:], rtol=0, atol=1e-14)
+        for length in (self.seq_length - 1, 2 * self.seq_length):
+            with pytest.raises(ValueError, match=rf"pos_encodings='learned' has one learned embedding per position: "
+                                                 rf"{self.seq_length + 2} = puzzle_emb_len 2 \+ seq_len "
+                                                 rf"{self.seq_length}; got input_ids of length {length}"):
+                model(torch.randint(0, self.vocab_size, (2, length)))
+
+    def test_learned_positions_save_and_load(self, tmp_path):
+        model = self.build_puzzle(pos_encodings="learned").eval()
+        with torch.no_grad():
+            model.model.trunk.input.embed_pos.weight.normal_()
+        model.save_pretrained(tmp_path)
+        loaded = self.puzzle_class.from_pretrained(tmp_path).eval()
+        torch.testing.assert_close(loaded.get_parameter(self.POS_TABLE), model.get_parameter(self.POS_TABLE),
+                                   rtol=0, atol=0)
+        batch = self.puzzle_batch(model.config)
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(**batch).logits, model(**batch).logits, rtol=0, atol=0)
+        # A checkpoint without the table (trained with rope) gets a freshly initialized one, not torch.empty memory.
+        rope = self.build_puzzle()
+        filled = self.puzzle_class.from_pretrained(None, config=model.config, state_dict=rope.state_dict())
+        std = float(filled.get_parameter(self.POS_TABLE).detach().std()) * model.config.hidden_size ** 0.5
+        assert 0.7 < std < 1.3, std
+
     def test_sign_sgd_updates_only_touched_rows(self):
         model = self.build_puzzle(num_puzzle_identifiers=5).train()
         table = model.model.trunk.input.puzzle_emb

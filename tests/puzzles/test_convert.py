@@ -58,6 +58,8 @@ def embed(sd, ids, pids, P):
     if P:
         pe = F.pad(sd["puzzle_emb.weights"][pids], (0, P * D - sd["puzzle_emb.weights"].shape[1]))
         x = torch.cat([pe.view(-1, P, D), x], 1)
+    if "embed_pos.embedding_weight" in sd:  # pos_encodings="learned"
+        x = 0.707106781 * (x + sd["embed_pos.embedding_weight"])
     return math.sqrt(D) * x
 
 
@@ -97,12 +99,14 @@ def heads(sd, y, P):
     return (y @ sd["lm_head.weight"].T)[:, P:], y[:, 0] @ sd["q_head.weight"][0] + sd["q_head.bias"][0]
 
 
-@pytest.mark.parametrize("mlp_t", [False, True])
-def test_trm_checkpoint_equals_the_research_forward_float64(mlp_t, tmp_path):
+@pytest.mark.parametrize("mlp_t,pos", [(False, "rope"), (True, "none"), (False, "learned")])
+def test_trm_checkpoint_equals_the_research_forward_float64(mlp_t, pos, tmp_path):
     sd = shared({"H_init": rand(D, std=1.0), "L_init": rand(D, std=1.0)}, "L_level.layers.", 2, mlp_t=mlp_t)
+    if pos == "learned":  # the research code's CastedEmbedding over the puzzle prefix and the grid
+        sd["embed_pos.embedding_weight"] = rand(2 + SEQ, D)
     cfg = {"arch": {"name": "recursive_reasoning.trm@TinyRecursiveReasoningModel_ACTV1", "H_cycles": 2, "L_cycles": 2,
                     "H_layers": 0, "L_layers": 2, "hidden_size": D, "num_heads": HEADS, "expansion": 4,
-                    "puzzle_emb_ndim": D, "puzzle_emb_len": 2, "pos_encodings": "none" if mlp_t else "rope",
+                    "puzzle_emb_ndim": D, "puzzle_emb_len": 2, "pos_encodings": pos,
                     "halt_max_steps": 16, "halt_exploration_prob": 0.1, "forward_dtype": "float64", "mlp_t": mlp_t,
                     "no_ACT_continue": True, "loss": {"loss_type": "stablemax_cross_entropy"}}}
     model = convert(compiled(sd), cfg, META).double()
@@ -114,7 +118,7 @@ def test_trm_checkpoint_equals_the_research_forward_float64(mlp_t, tmp_path):
             t = h.transpose(1, 2)
             h = rms(t + swiglu(sd, p + "mlp_t.", t)).transpose(1, 2)
         else:
-            h = rms(h + attention(sd, p, h, rope=True))
+            h = rms(h + attention(sd, p, h, rope=pos == "rope"))
         return rms(h + swiglu(sd, p + "mlp.", h))
 
     def net(h, inj):
@@ -135,6 +139,10 @@ def test_trm_checkpoint_equals_the_research_forward_float64(mlp_t, tmp_path):
     torch.testing.assert_close(out.logits, logits, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(out.q_halt_logits, q.float(), rtol=1e-6, atol=1e-6)
     assert model.config.puzzle_emb_len == 2 and model.config.halt_max_steps == 16 and model.config.mlp_t == mlp_t
+    assert model.config.pos_encodings == pos
+    if pos == "learned":
+        torch.testing.assert_close(model.model.trunk.input.embed_pos.weight.double(),
+                                   sd["embed_pos.embedding_weight"], rtol=0, atol=0)
 
 
 def test_urm_checkpoint_equals_the_research_forward_float64():
@@ -187,9 +195,12 @@ def fprm_state():
     return sd
 
 
-def test_fprm_checkpoint_equals_the_research_map_float64(tmp_path):
+@pytest.mark.parametrize("pos", ["rope", "learned"])
+def test_fprm_checkpoint_equals_the_research_map_float64(pos, tmp_path):
     sd = fprm_state()
-    model = convert(compiled(sd), {"arch": FPRM_CFG}, META).double()
+    if pos == "learned":
+        sd["embed_pos.embedding_weight"] = rand(2 + SEQ, D)
+    model = convert(compiled(sd), {"arch": {**FPRM_CFG, "pos_encodings": pos}}, META).double()
     ids, pids = batch()
     a1, a2 = torch.sigmoid(sd["L_level.alpha_1_param"]), torch.sigmoid(sd["L_level.alpha_2_param"])
     b2 = 1 - a2 * a1**4
@@ -202,7 +213,7 @@ def test_fprm_checkpoint_equals_the_research_map_float64(tmp_path):
         h = a2 * torch.cat([y[:, :2], grid], 1) + b2 * x
         for i in range(2):
             p = f"L_level.layers.{i}."
-            h = a1 * h + b1 * attention(sd, p, rms(h), rope=True)
+            h = a1 * h + b1 * attention(sd, p, rms(h), rope=pos == "rope")
             h = a1 * h + b1 * swiglu(sd, p + "mlp.", rms(h))
         return h
 
@@ -232,7 +243,10 @@ def test_command_line_and_refusals(tmp_path):
     assert loaded.config.num_puzzle_identifiers == IDS and loaded.config.vocab_size == VOCAB
     with pytest.raises(ValueError, match="the checkpoint's softmax_temp=2.0 has no counterpart"):
         convert(compiled(sd), {"arch": {**FPRM_CFG, "softmax_temp": 2.0}}, META)
-    with pytest.raises(ValueError, match="the checkpoint's pos_encodings='learned' has no counterpart"):
+    with pytest.raises(ValueError, match=r"the checkpoint's pos_encodings='alibi' has no counterpart here "
+                                         r"\(supported: \('rope', 'learned', 'none'\)\)"):
+        convert(compiled(sd), {"arch": {**FPRM_CFG, "pos_encodings": "alibi"}}, META)
+    with pytest.raises(RuntimeError, match="embed_pos"):  # pos_encodings="learned" without its table
         convert(compiled(sd), {"arch": {**FPRM_CFG, "pos_encodings": "learned"}}, META)
     with pytest.raises(ValueError, match=r"tensors with no counterpart in FPRM here: \['L_level.extra'\]"):
         convert(compiled({**sd, "L_level.extra": torch.zeros(1)}), {"arch": FPRM_CFG}, META)

@@ -97,7 +97,7 @@ class TestFPRM(PuzzleModelTesterMixin):
                                          {"spectral_norm": True}, {"output_norm": True},
                                          {"residual_scale": "fixed"}, {"init_mode": "fixed"},
                                          {"pos_encodings": "none", "loss_type": "softmax"},
-                                         {"pos_embedding": "learned"}])
+                                         {"pos_encodings": "learned", "conv": "2d", "grid_shape": [3, 3]}])
     def test_options_train(self, options):
         model = self.build(FPRMForPuzzles, **options).train()
         batch = self.puzzle_batch(model.config)
@@ -108,7 +108,7 @@ class TestFPRM(PuzzleModelTesterMixin):
         names = dict(model.named_parameters())
         assert ("model.alpha_logits" in names) == (options.get("residual_scale", "learned") == "learned")
         assert ("model.conv.conv.weight" in names) == ("conv" in options)
-        assert ("model.pos_embed.weight" in names) == ("pos_embedding" in options)
+        assert ("model.trunk.input.embed_pos.weight" in names) == (options.get("pos_encodings") == "learned")
         if options.get("spectral_norm"):
             assert any("parametrizations" in n for n in names)
 
@@ -127,34 +127,40 @@ class TestFPRM(PuzzleModelTesterMixin):
         # training: fpopt's 0.9, the stop rule; the decay waits while the residual is below fp_tol (research code)
         assert kw["solver_kwargs"] == {"threshold": 0.1} and kw["stop_fraction"] == 0.5
 
-    def test_learned_position_embedding_float64(self):
-        # Silent sublayers: the fixed point is a1^(2L) x with x = (sqrt(D) emb + sqrt(D) pos) / sqrt(2), pos the
-        # learned row of each position (prefix included).
-        model = self.silent(pos_embedding="learned").eval()
-        assert model.pos_embed.weight.shape == (1 + 9, 16)
+    def test_learned_positions_fixed_point_float64(self):
+        # Silent sublayers: the fixed point is a1^(2L) x, with x = sqrt(D) 0.707106781 (cat(prefix, tokens) + pos),
+        # pos the learned row of each position (prefix included), written out from the raw tables.
+        model = self.silent(pos_encodings="learned").eval()
+        table = model.trunk.input.embed_pos.weight
+        assert table.shape == (1 + 9, 16)
         with torch.no_grad():
-            model.pos_embed.weight.normal_()
+            table.normal_()
+            model.trunk.input.puzzle_emb.weights.normal_()
         inputs = self.prepare_inputs(model.config)
+        ids, pids = inputs["input_ids"], inputs["puzzle_identifiers"]
         with torch.no_grad():
             out = model(**inputs)
-            x = model.trunk.embed(inputs["input_ids"], inputs["puzzle_identifiers"])
-            x = (x + 4.0 * model.pos_embed.weight) / 2**0.5
+            tokens = torch.cat([model.trunk.input.puzzle_emb.weights[pids][:, None],
+                                model.trunk.input.embed_tokens.weight[ids]], dim=1)
+            x = 4.0 * 0.707106781 * (tokens + table)
             a1 = torch.sigmoid(model.alpha_logits[0])
         assert out.fp_stats.converged.all()
         torch.testing.assert_close(out.last_hidden_state, (a1**4 * x)[:, 1:], rtol=1e-10, atol=1e-10)
-        with pytest.raises(ValueError, match="pos_embedding='learned' has one row per position of seq_len=9"):
-            model(torch.randint(0, 11, (2, 18)))
 
-    def test_learned_position_embedding_survives_save_and_load(self, tmp_path):
-        model = self.build(FPRMForPuzzles, pos_embedding="learned").eval()
-        with torch.no_grad():
-            model.model.pos_embed.weight.normal_()
-        model.save_pretrained(tmp_path)
-        loaded = FPRMForPuzzles.from_pretrained(tmp_path).eval()
-        torch.testing.assert_close(loaded.model.pos_embed.weight, model.model.pos_embed.weight, rtol=0, atol=0)
-        batch = self.puzzle_batch(model.config)
-        with torch.no_grad():
-            torch.testing.assert_close(loaded(**batch).logits, model(**batch).logits, rtol=0, atol=0)
+    def test_removed_pos_embedding_is_refused(self, tmp_path):
+        # FPRM's own pos_embedding (learned positions added on top of rope) moved to pos_encodings="learned" (in
+        # place of rope, as TRM/HRM); a saved config that still has it fails to load with a pointer, any value.
+        for value in ("none", "learned"):
+            with pytest.raises(ValueError, match=rf"pos_embedding='{value}' was removed from FPRMConfig.*"
+                                                 "pos_encodings='learned'"):
+                self.get_config(pos_embedding=value)
+        self.build(FPRMForPuzzles).save_pretrained(tmp_path)
+        path = tmp_path / "config.json"
+        text = path.read_text()
+        assert '"pad_id"' in text and "pos_embedding" not in text
+        path.write_text(text.replace('"pad_id"', '"pos_embedding": "none",\n  "pad_id"'))
+        with pytest.raises(ValueError, match="pos_embedding='none' was removed"):
+            FPRMForPuzzles.from_pretrained(tmp_path)
 
     def test_longer_inputs_than_training(self):
         model = self.build(FPRMForPuzzles).eval()
@@ -178,8 +184,6 @@ class TestFPRM(PuzzleModelTesterMixin):
             self.get_config(causal=True, conv="2d", grid_shape=[3, 3])
         with pytest.raises(ValueError, match="residual_scale"):
             self.get_config(residual_scale="input-dependent")
-        with pytest.raises(ValueError, match=r"pos_embedding='rope' is not allowed.*'none', 'learned'"):
-            self.get_config(pos_embedding="rope")
 
     def test_evaluation_output_does_not_depend_on_the_batch(self):
         # The seeded starting noise is the same for every slot: a puzzle alone, first or last in a batch gives the

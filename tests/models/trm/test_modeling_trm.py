@@ -84,6 +84,15 @@ class TestAttractorReasoning(PuzzleModelTesterMixin):
         with pytest.raises(ValueError, match="causal=True needs attention: mlp_t=True"):
             self.get_config(mlp_t=True, causal=True)
 
+    @pytest.mark.parametrize("mlp_t", [False, True])
+    def test_trm_baseline_with_learned_positions(self, mlp_t):
+        # TRM itself (deq=False) with the research code's pos_encodings="learned" (HRM's Sudoku-Hard setting).
+        model = self.build(TRMForPuzzles, deq=False, mlp_t=mlp_t, pos_encodings="learned").train()
+        out = model(**self.puzzle_batch(model.config), carry=model.initial_carry(4))
+        out.loss.backward()
+        assert all(p.grad is not None for p in model.parameters())
+        assert model.model.trunk.input.embed_pos.weight.grad.abs().sum() > 0
+
     def test_bad_trm_values(self):
         with pytest.raises(ValueError, match="H_cycles"):
             self.get_config(H_cycles=0)
