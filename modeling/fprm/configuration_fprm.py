@@ -121,12 +121,15 @@ class FPRMConfig(FixedPointConfigMixin, PretrainedConfig):
         pad_id: int = 0,
         **kwargs,
     ):
-        if "pos_embedding" in kwargs:
+        # Configs saved between the option's introduction and its removal carry pos_embedding="none", which is this
+        # model exactly; "learned" (positions added to the rotary encoding) no longer exists.
+        if kwargs.get("pos_embedding", "none") != "none":
             raise ValueError(
                 f"pos_embedding={kwargs['pos_embedding']!r} was removed from FPRMConfig: learned positions are "
                 "pos_encodings='learned' (shared by every puzzle family; it replaces the rotary encoding, the old "
-                "option added to it). Delete pos_embedding from the config (with 'none' the model is the same) or use "
-                "pos_encodings='learned' instead.")
+                "option added to it). Allowed: pos_embedding='none' (the same model) or no pos_embedding; use "
+                "pos_encodings='learned' for learned positions.")
+        kwargs.pop("pos_embedding", None)
         fields = {k: v for k, v in locals().items() if k not in ("self", "kwargs", "__class__")}
         for key, value in {**fields, **pop_fp_kwargs(kwargs, FPRM_FP_DEFAULTS)}.items():
             setattr(self, key, value)

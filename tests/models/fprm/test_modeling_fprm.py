@@ -147,19 +147,27 @@ class TestFPRM(PuzzleModelTesterMixin):
         assert out.fp_stats.converged.all()
         torch.testing.assert_close(out.last_hidden_state, (a1**4 * x)[:, 1:], rtol=1e-10, atol=1e-10)
 
-    def test_removed_pos_embedding_is_refused(self, tmp_path):
+    def test_removed_pos_embedding(self, tmp_path):
         # FPRM's own pos_embedding (learned positions added on top of rope) moved to pos_encodings="learned" (in
-        # place of rope, as TRM/HRM); a saved config that still has it fails to load with a pointer, any value.
-        for value in ("none", "learned"):
+        # place of rope, as TRM/HRM): "learned" fails with a pointer; a config saved with "none" (this model exactly)
+        # loads, and saves without the field.
+        for value in ("learned", "rope"):
             with pytest.raises(ValueError, match=rf"pos_embedding='{value}' was removed from FPRMConfig.*"
                                                  "pos_encodings='learned'"):
                 self.get_config(pos_embedding=value)
-        self.build(FPRMForPuzzles).save_pretrained(tmp_path)
+        model = self.build(FPRMForPuzzles).eval()
+        model.save_pretrained(tmp_path)
         path = tmp_path / "config.json"
         text = path.read_text()
         assert '"pad_id"' in text and "pos_embedding" not in text
         path.write_text(text.replace('"pad_id"', '"pos_embedding": "none",\n  "pad_id"'))
-        with pytest.raises(ValueError, match="pos_embedding='none' was removed"):
+        loaded = FPRMForPuzzles.from_pretrained(tmp_path).eval()
+        assert not hasattr(loaded.config, "pos_embedding")
+        ids = torch.randint(0, 11, (2, 9))
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+        path.write_text(text.replace('"pad_id"', '"pos_embedding": "learned",\n  "pad_id"'))
+        with pytest.raises(ValueError, match="pos_embedding='learned' was removed"):
             FPRMForPuzzles.from_pretrained(tmp_path)
 
     def test_longer_inputs_than_training(self):
