@@ -128,33 +128,45 @@ class LoopDepthWarning(UserWarning):
     """A call ran more loops than the model was trained with, and its state is not settling."""
 
 
+# loop_change stacks the loop states (one copy of every loop) when they hold at most this many elements in all
+# (decoding: one batched norm instead of a norm per loop pair); larger states go pair by pair, without the copy.
+LOOP_CHANGE_STACK_LIMIT = 1 << 22
+
+
 @torch.no_grad()
 def loop_change(states, attention_mask=None) -> Optional[torch.Tensor]:
     """``(B, T - 1)`` relative change of each sequence's state between consecutive loops over its valid tokens (the
-    last ``S`` columns of a 2-d ``attention_mask``); None for one loop. A diagnostic: no graph, one pair of loop
-    states at a time (no stacked copy of every loop). Trailing loops that repeat the same state object (those
-    ``exit_mode="skip"`` ran on no token) change nothing: 0, not computed."""
+    last ``S`` columns of a 2-d ``attention_mask``); None for one loop. A diagnostic: no graph; all loops in one
+    stacked copy when it is small (``LOOP_CHANGE_STACK_LIMIT`` elements), else one pair of loop states at a time.
+    Trailing loops that repeat the same state object (those ``exit_mode="skip"`` ran on no token) change nothing: 0,
+    not computed."""
     if len(states) < 2:
         return None
     ran = len(states)
     while ran > 1 and states[ran - 1] is states[ran - 2]:
         ran -= 1
     dtype = torch.promote_types(states[0].dtype, torch.float32)
+    if ran == 1:
+        return torch.zeros(states[0].shape[0], len(states) - 1, dtype=dtype, device=states[0].device)
     keep = None
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:  # not generate's prepared mask dict
         keep = attention_mask[:, -states[0].shape[1]:, None].to(dtype)
+    tiny = torch.finfo(dtype).tiny
 
     def valid(x):  # in at least float32, padding zeroed
         return x.to(dtype) if keep is None else x.to(dtype) * keep
 
-    def norm(x):
-        return torch.linalg.vector_norm(x.flatten(1), dim=-1)
+    if ran * states[0].numel() <= LOOP_CHANGE_STACK_LIMIT:
+        x = valid(torch.stack(states[:ran])).flatten(2)  # (ran, B, S * D)
+        norm = partial(torch.linalg.vector_norm, dim=-1)
+        change = (norm(x[1:] - x[:-1]) / norm(x[:-1]).clamp_min(tiny)).T
+    else:
+        def norm(x):
+            return torch.linalg.vector_norm(x.flatten(1), dim=-1)
 
-    if ran == 1:
-        return torch.zeros(states[0].shape[0], len(states) - 1, dtype=dtype, device=states[0].device)
-    change = [norm(valid(b) - valid(a)) / norm(valid(a)).clamp_min(torch.finfo(dtype).tiny)
-              for a, b in zip(states[:ran - 1], states[1:ran])]
-    return F.pad(torch.stack(change, dim=1), (0, len(states) - ran))
+        change = torch.stack([norm(valid(b) - valid(a)) / norm(valid(a)).clamp_min(tiny)
+                              for a, b in zip(states[:ran - 1], states[1:ran])], dim=1)
+    return F.pad(change, (0, len(states) - ran))
 
 
 def exit_distribution(gate_logits: torch.Tensor) -> torch.Tensor:
