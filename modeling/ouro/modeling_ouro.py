@@ -206,6 +206,11 @@ def adaptive_gate_loss(gate_logits, loop_losses, valid=None, k: float = 50.0, ga
     return (bce * valid).sum() / valid.sum().clamp_min(1)
 
 
+def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in at least float32; itself, with no call, when it is (the exit rules run every loop)."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 class ExitRule:
     """Ouro's exit rules, applied loop by loop: ``rule(gate, previous, current)`` after loop ``t`` (0-based) gives the
     ``(B, S)`` tokens whose rule fires there (None when no rule is set), from the loop's gate logits ``(B, S, 1)``
@@ -223,16 +228,15 @@ class ExitRule:
     def __call__(self, gate, previous, current) -> Optional[torch.Tensor]:
         fire = None
         if self.threshold is not None:
-            lam = torch.sigmoid(gate[..., 0].to(torch.promote_types(gate.dtype, torch.float32)))
+            lam = torch.sigmoid(_at_least_float32(gate[..., 0]))
             p = lam if self.survival is None else lam * self.survival  # p_t = lambda_t * S_{t-1}
             self.cdf = p if self.cdf is None else self.cdf + p
             self.survival = 1.0 - lam if self.survival is None else self.survival * (1.0 - lam)
             fire = self.cdf >= self.threshold
         if self.tol is not None and previous is not None:
-            dtype = torch.promote_types(current.dtype, torch.float32)
-            prev = previous.to(dtype)
-            change = torch.linalg.vector_norm(current.to(dtype) - prev, dim=-1) / torch.linalg.vector_norm(
-                prev, dim=-1).clamp_min(torch.finfo(dtype).tiny)
+            prev = _at_least_float32(previous)
+            change = torch.linalg.vector_norm(_at_least_float32(current) - prev, dim=-1) / torch.linalg.vector_norm(
+                prev, dim=-1).clamp_min(torch.finfo(prev.dtype).tiny)
             fire = change < self.tol if fire is None else fire | (change < self.tol)
         return fire
 
@@ -252,9 +256,11 @@ def exit_loops(gate_logits, states, threshold=None, tol=None) -> torch.Tensor:
 def _put_running(target, index, values):
     """``target`` ``(B, S, ...)`` with the entries of the running tokens ``index = (b, s)`` replaced by ``values``
     ``(N, ...)`` (out of place; decoding, ``S = 1``, through ``index_copy``, cheaper than an indexed put)."""
+    if values.dtype != target.dtype:
+        values = values.to(target.dtype)
     if target.shape[1] == 1:
-        return target.index_copy(0, index[0], values[:, None].to(target.dtype))
-    return target.index_put(index, values.to(target.dtype))
+        return target.index_copy(0, index[0], values[:, None])
+    return target.index_put(index, values)
 
 
 class _RunningSet:
