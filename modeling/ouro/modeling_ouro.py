@@ -268,13 +268,14 @@ class _RunningSet:
     ``index = (b, s)``, ``(N,)`` each (row-major); their rotary embeddings ``rope`` (``(N, head_dim)`` each, or
     ``(1, head_dim)`` when decoding without padding); ``rows``, the rows with a running token (None when every row
     has one: the cache is attended without a gather); ``valid`` ``(R, width)``, the queries packed per row (None
-    when decoding: one query per running row); ``allowed``, the attention's key mask (None: every key)."""
+    when decoding: one query per running row) and ``slots``, the places of the valid ones among the ``R * width``;
+    ``allowed``, the attention's key mask (None: every key)."""
 
     def __init__(self, active, position_embeddings, keymask):
         batch, seq = active.shape
         b, s = self.index = active.nonzero(as_tuple=True)
         if seq == 1:  # decoding: one query per running row, no packing
-            self.rows, self.valid = b, None
+            self.rows, self.valid, self.slots = b, None, None
             self.allowed = None if keymask is None else keymask.index_select(0, b)[:, None]
             # shared by every row when the positions are (no padding)
             self.rope = tuple(x[:, 0] if x.shape[0] == 1 else x[:, 0].index_select(0, b) for x in position_embeddings)
@@ -288,6 +289,7 @@ class _RunningSet:
         # queries packed per row, (R, width): the positions of its running tokens first, in order
         order = torch.sort((~active).to(torch.uint8), dim=-1, stable=True).indices[:, :width]
         self.valid = torch.arange(width, device=active.device) < counts[:, None]
+        self.slots = self.valid.flatten().nonzero().squeeze(-1)  # (N,) the valid places of the (R * width) queries
         allowed = keymask.gather(1, order[..., None].expand(-1, -1, keymask.shape[-1])) | ~self.valid[..., None]
         self.allowed = allowed[:, None]
         self.rope = tuple(x.expand(batch, seq, -1)[b, s] for x in position_embeddings)
@@ -543,11 +545,11 @@ class OuroModel(OuroPreTrainedModel):
             out = F.scaled_dot_product_attention(q[:, :, None], keys, values, scale=attn.scaling,
                                                  attn_mask=running.allowed)
             return attn.o_proj(out.reshape(n, -1))
-        query = q.new_zeros(*running.valid.shape, *q.shape[1:])
-        query[running.valid] = q  # (R, width, H, head_dim)
-        out = F.scaled_dot_product_attention(query.transpose(1, 2), keys, values, attn_mask=running.allowed,
-                                             scale=attn.scaling)
-        return attn.o_proj(out.transpose(1, 2)[running.valid].reshape(n, -1))
+        # queries (R, width, H, head_dim) put and taken through the flat places of the valid ones (no mask indexing)
+        query = q.new_zeros(running.valid.numel(), *q.shape[1:]).index_copy(0, running.slots, q)
+        out = F.scaled_dot_product_attention(query.view(*running.valid.shape, *q.shape[1:]).transpose(1, 2), keys,
+                                             values, attn_mask=running.allowed, scale=attn.scaling)
+        return attn.o_proj(out.transpose(1, 2).reshape(running.valid.numel(), -1).index_select(0, running.slots))
 
     def loop_step(self, hidden_states, attention_mask=None, position_ids=None):
         """One uncached loop as a function of the state alone. The mask is built for the attention implementation
