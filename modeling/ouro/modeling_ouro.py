@@ -253,38 +253,39 @@ def exit_loops(gate_logits, states, threshold=None, tol=None) -> torch.Tensor:
     return index
 
 
-def _put_running(target, index, values):
-    """``target`` ``(B, S, ...)`` with the entries of the running tokens ``index = (b, s)`` replaced by ``values``
-    ``(N, ...)`` (out of place; decoding, ``S = 1``, through ``index_copy``, cheaper than an indexed put)."""
+def _put_running(target, flat, values):
+    """``target`` ``(B, S, ...)`` with the entries of the running tokens (``flat``, their ``(N,)`` places among the
+    ``B * S``) replaced by ``values`` ``(N, ...)`` (out of place, one ``index_copy``)."""
     if values.dtype != target.dtype:
         values = values.to(target.dtype)
-    if target.shape[1] == 1:
-        return target.index_copy(0, index[0], values[:, None])
-    return target.index_put(index, values)
+    return target.reshape(-1, *target.shape[2:]).index_copy(0, flat, values).view(target.shape)
 
 
 class _RunningSet:
     """The running tokens of ``active`` ``(B, S)`` (``exit_mode="skip"``), gathered once per change of the set:
-    ``index = (b, s)``, ``(N,)`` each (row-major); their rotary embeddings ``rope`` (``(N, head_dim)`` each, or
-    ``(1, head_dim)`` when decoding without padding); ``rows``, the rows with a running token (None when every row
-    has one: the cache is attended without a gather); ``valid`` ``(R, width)``, the queries packed per row (None
-    when decoding: one query per running row) and ``slots``, the places of the valid ones among the ``R * width``;
-    ``allowed``, the attention's key mask (None: every key)."""
+    ``flat``, their ``(N,)`` places among the ``B * S`` (row-major); their rotary embeddings ``rope`` (``(N,
+    head_dim)`` each, or ``(1, head_dim)`` when decoding without padding); ``rows``, the rows with a running token
+    (None when every row has one: the cache is attended without a gather); ``valid`` ``(R, width)``, the queries
+    packed per row (None when decoding: one query per running row) and ``slots``, the places of the valid ones among
+    the ``R * width``; ``allowed``, the attention's key mask (None: every key). Gathers and puts go through
+    ``index_select`` / ``index_copy`` on the flat places (cheaper than indexing with ``(b, s)``)."""
 
     def __init__(self, active, position_embeddings, keymask):
         batch, seq = active.shape
-        b, s = self.index = active.nonzero(as_tuple=True)
+        self.flat = active.flatten().nonzero().squeeze(-1)
         if seq == 1:  # decoding: one query per running row, no packing
-            self.rows, self.valid, self.slots = b, None, None
-            self.allowed = None if keymask is None else keymask.index_select(0, b)[:, None]
+            self.rows = self.flat
+            self.valid = self.slots = None
+            self.allowed = None if keymask is None else keymask.index_select(0, self.flat)[:, None]
             # shared by every row when the positions are (no padding)
-            self.rope = tuple(x[:, 0] if x.shape[0] == 1 else x[:, 0].index_select(0, b) for x in position_embeddings)
+            self.rope = tuple(x[:, 0] if x.shape[0] == 1 else x[:, 0].index_select(0, self.flat)
+                              for x in position_embeddings)
             return
         counts = active.sum(-1)
         rows = counts.nonzero().squeeze(-1)  # (R,) rows with a running token
         self.rows = None if rows.shape[0] == batch else rows
         if self.rows is not None:
-            active, keymask, counts = active[rows], keymask[rows], counts[rows]
+            active, keymask, counts = (x.index_select(0, rows) for x in (active, keymask, counts))
         width = int(counts.max())
         # queries packed per row, (R, width): the positions of its running tokens first, in order
         order = torch.sort((~active).to(torch.uint8), dim=-1, stable=True).indices[:, :width]
@@ -292,13 +293,12 @@ class _RunningSet:
         self.slots = self.valid.flatten().nonzero().squeeze(-1)  # (N,) the valid places of the (R * width) queries
         allowed = keymask.gather(1, order[..., None].expand(-1, -1, keymask.shape[-1])) | ~self.valid[..., None]
         self.allowed = allowed[:, None]
-        self.rope = tuple(x.expand(batch, seq, -1)[b, s] for x in position_embeddings)
+        self.rope = tuple(x.expand(batch, seq, -1).reshape(batch * seq, -1).index_select(0, self.flat)
+                          for x in position_embeddings)
 
     def gather(self, hidden_states):
         """The running tokens' states ``(N, D)`` of ``(B, S, D)``."""
-        if hidden_states.shape[1] == 1:  # decoding: index_select (one query per row) is cheaper than indexing
-            return hidden_states[:, 0].index_select(0, self.index[0])
-        return hidden_states[self.index]
+        return hidden_states.reshape(-1, hidden_states.shape[-1]).index_select(0, self.flat)
 
 
 def _mixture(loop_logits, pdf):
@@ -483,7 +483,7 @@ class OuroModel(OuroPreTrainedModel):
                 if current is None:  # the running set changed: gather it anew
                     current, x = _RunningSet(active, position_embeddings, keymask), None
                 new, x = self._loop_running(hidden_states, current, cache, t * num_layers, x)
-                gate = _put_running(gates[-1], current.index, self.early_exit_gate(x))  # an exited token's is frozen
+                gate = _put_running(gates[-1], current.flat, self.early_exit_gate(x))  # an exited token's is frozen
             states.append(new)
             gates.append(gate)
             fire = rule(gate, hidden_states if t else None, new) if t < loops - 1 else None
@@ -517,25 +517,25 @@ class OuroModel(OuroPreTrainedModel):
             x = layer(x, attend=partial(self._attend_running, cache=cache, slot=offset + layer_idx, seq=seq,
                                         running=running))
         x = self.norm(x)
-        return _put_running(hidden_states, running.index, x), x
+        return _put_running(hidden_states, running.flat, x), x
 
     def _attend_running(self, attn, x, cache, slot, seq, running):
         """Attention of the running tokens ``x`` ``(N, D)`` (already normed) of a call of ``seq`` tokens: slot
         ``slot`` gets the previous loop's latest keys and values of this call with the running tokens' replaced;
         queries attend packed per row ``(R, width)`` (``running.valid``), or one per row when decoding (``valid``
         None). The rows' keys are gathered only when some row has no running token."""
-        n, head_dim, (b, s) = x.shape[0], attn.head_dim, running.index
+        n, head_dim = x.shape[0], attn.head_dim
         q = attn.q_proj(x).view(n, -1, head_dim)
         k = attn.k_proj(x).view(n, -1, head_dim)
         v = attn.v_proj(x).view(n, -1, head_dim)
         q, k = apply_rotary_pos_emb(q, k, *running.rope, unsqueeze_dim=1)
         latest = cache.layers[slot - len(self.layers)]  # this layer, previous loop: (B, H_kv, past + S, head_dim)
         if running.valid is None:  # decoding, one query per running row: index_copy (cheaper than indexing)
-            keys = latest.keys[:, :, -1:].index_copy(0, b, k[:, :, None])
-            values = latest.values[:, :, -1:].index_copy(0, b, v[:, :, None])
+            keys = latest.keys[:, :, -1:].index_copy(0, running.flat, k[:, :, None])
+            values = latest.values[:, :, -1:].index_copy(0, running.flat, v[:, :, None])
         else:  # (B, S, H_kv, head_dim) with the running tokens' entries put, back to (B, H_kv, S, head_dim)
-            keys = latest.keys[:, :, -seq:].transpose(1, 2).index_put((b, s), k).transpose(1, 2)
-            values = latest.values[:, :, -seq:].transpose(1, 2).index_put((b, s), v).transpose(1, 2)
+            keys, values = (_put_running(x[:, :, -seq:].transpose(1, 2), running.flat, y).transpose(1, 2)
+                            for x, y in ((latest.keys, k), (latest.values, v)))
         keys, values = cache.update(keys, values, slot)
         if running.rows is not None:  # only the rows with a running token attend
             keys, values = keys.index_select(0, running.rows), values.index_select(0, running.rows)
