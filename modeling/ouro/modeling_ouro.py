@@ -128,27 +128,45 @@ class LoopDepthWarning(UserWarning):
     """A call ran more loops than the model was trained with, and its state is not settling."""
 
 
+# loop_change stacks the loop states (one copy of every loop) when they hold at most this many elements in all
+# (decoding: one batched norm instead of a norm per loop pair); larger states go pair by pair, without the copy.
+LOOP_CHANGE_STACK_LIMIT = 1 << 22
+
+
 @torch.no_grad()
 def loop_change(states, attention_mask=None) -> Optional[torch.Tensor]:
     """``(B, T - 1)`` relative change of each sequence's state between consecutive loops over its valid tokens (the
-    last ``S`` columns of a 2-d ``attention_mask``); None for one loop. A diagnostic: no graph, one pair of loop
-    states at a time (no stacked copy of every loop)."""
+    last ``S`` columns of a 2-d ``attention_mask``); None for one loop. A diagnostic: no graph; all loops in one
+    stacked copy when it is small (``LOOP_CHANGE_STACK_LIMIT`` elements), else one pair of loop states at a time.
+    Trailing loops that repeat the same state object (those ``exit_mode="skip"`` ran on no token) change nothing: 0,
+    not computed."""
     if len(states) < 2:
         return None
+    ran = len(states)
+    while ran > 1 and states[ran - 1] is states[ran - 2]:
+        ran -= 1
     dtype = torch.promote_types(states[0].dtype, torch.float32)
+    if ran == 1:
+        return torch.zeros(states[0].shape[0], len(states) - 1, dtype=dtype, device=states[0].device)
     keep = None
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:  # not generate's prepared mask dict
         keep = attention_mask[:, -states[0].shape[1]:, None].to(dtype)
+    tiny = torch.finfo(dtype).tiny
 
     def valid(x):  # in at least float32, padding zeroed
         return x.to(dtype) if keep is None else x.to(dtype) * keep
 
-    def norm(x):
-        return torch.linalg.vector_norm(x.flatten(1), dim=-1)
+    if ran * states[0].numel() <= LOOP_CHANGE_STACK_LIMIT:
+        x = valid(torch.stack(states[:ran])).flatten(2)  # (ran, B, S * D)
+        norm = partial(torch.linalg.vector_norm, dim=-1)
+        change = (norm(x[1:] - x[:-1]) / norm(x[:-1]).clamp_min(tiny)).T
+    else:
+        def norm(x):
+            return torch.linalg.vector_norm(x.flatten(1), dim=-1)
 
-    change = [norm(valid(b) - valid(a)) / norm(valid(a)).clamp_min(torch.finfo(dtype).tiny)
-              for a, b in zip(states[:-1], states[1:])]
-    return torch.stack(change, dim=1)
+        change = torch.stack([norm(valid(b) - valid(a)) / norm(valid(a)).clamp_min(tiny)
+                              for a, b in zip(states[:ran - 1], states[1:ran])], dim=1)
+    return F.pad(change, (0, len(states) - ran))
 
 
 def exit_distribution(gate_logits: torch.Tensor) -> torch.Tensor:
@@ -188,6 +206,11 @@ def adaptive_gate_loss(gate_logits, loop_losses, valid=None, k: float = 50.0, ga
     return (bce * valid).sum() / valid.sum().clamp_min(1)
 
 
+def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in at least float32; itself, with no call, when it is (the exit rules run every loop)."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 class ExitRule:
     """Ouro's exit rules, applied loop by loop: ``rule(gate, previous, current)`` after loop ``t`` (0-based) gives the
     ``(B, S)`` tokens whose rule fires there (None when no rule is set), from the loop's gate logits ``(B, S, 1)``
@@ -205,16 +228,15 @@ class ExitRule:
     def __call__(self, gate, previous, current) -> Optional[torch.Tensor]:
         fire = None
         if self.threshold is not None:
-            lam = torch.sigmoid(gate[..., 0].to(torch.promote_types(gate.dtype, torch.float32)))
+            lam = torch.sigmoid(_at_least_float32(gate[..., 0]))
             p = lam if self.survival is None else lam * self.survival  # p_t = lambda_t * S_{t-1}
             self.cdf = p if self.cdf is None else self.cdf + p
             self.survival = 1.0 - lam if self.survival is None else self.survival * (1.0 - lam)
             fire = self.cdf >= self.threshold
         if self.tol is not None and previous is not None:
-            dtype = torch.promote_types(current.dtype, torch.float32)
-            prev = previous.to(dtype)
-            change = torch.linalg.vector_norm(current.to(dtype) - prev, dim=-1) / torch.linalg.vector_norm(
-                prev, dim=-1).clamp_min(torch.finfo(dtype).tiny)
+            prev = _at_least_float32(previous)
+            change = torch.linalg.vector_norm(_at_least_float32(current) - prev, dim=-1) / torch.linalg.vector_norm(
+                prev, dim=-1).clamp_min(torch.finfo(prev.dtype).tiny)
             fire = change < self.tol if fire is None else fire | (change < self.tol)
         return fire
 
@@ -231,12 +253,52 @@ def exit_loops(gate_logits, states, threshold=None, tol=None) -> torch.Tensor:
     return index
 
 
-def _put_running(target, index, values):
-    """``target`` ``(B, S, ...)`` with the entries of the running tokens ``index = (b, s)`` replaced by ``values``
-    ``(N, ...)`` (out of place; decoding, ``S = 1``, through ``index_copy``, cheaper than an indexed put)."""
-    if target.shape[1] == 1:
-        return target.index_copy(0, index[0], values[:, None].to(target.dtype))
-    return target.index_put(index, values.to(target.dtype))
+def _put_running(target, flat, values):
+    """``target`` ``(B, S, ...)`` with the entries of the running tokens (``flat``, their ``(N,)`` places among the
+    ``B * S``) replaced by ``values`` ``(N, ...)`` (out of place, one ``index_copy``)."""
+    if values.dtype != target.dtype:
+        values = values.to(target.dtype)
+    return target.reshape(-1, *target.shape[2:]).index_copy(0, flat, values).view(target.shape)
+
+
+class _RunningSet:
+    """The running tokens of ``active`` ``(B, S)`` (``exit_mode="skip"``), gathered once per change of the set:
+    ``flat``, their ``(N,)`` places among the ``B * S`` (row-major); their rotary embeddings ``rope`` (``(N,
+    head_dim)`` each, or ``(1, head_dim)`` when decoding without padding); ``rows``, the rows with a running token
+    (None when every row has one: the cache is attended without a gather); ``valid`` ``(R, width)``, the queries
+    packed per row (None when decoding: one query per running row) and ``slots``, the places of the valid ones among
+    the ``R * width``; ``allowed``, the attention's key mask (None: every key). Gathers and puts go through
+    ``index_select`` / ``index_copy`` on the flat places (cheaper than indexing with ``(b, s)``)."""
+
+    def __init__(self, active, position_embeddings, keymask):
+        batch, seq = active.shape
+        self.flat = active.flatten().nonzero().squeeze(-1)
+        if seq == 1:  # decoding: one query per running row, no packing
+            self.rows = self.flat
+            self.valid = self.slots = None
+            self.allowed = None if keymask is None else keymask.index_select(0, self.flat)[:, None]
+            # shared by every row when the positions are (no padding)
+            self.rope = tuple(x[:, 0] if x.shape[0] == 1 else x[:, 0].index_select(0, self.flat)
+                              for x in position_embeddings)
+            return
+        counts = active.sum(-1)
+        rows = counts.nonzero().squeeze(-1)  # (R,) rows with a running token
+        self.rows = None if rows.shape[0] == batch else rows
+        if self.rows is not None:
+            active, keymask, counts = (x.index_select(0, rows) for x in (active, keymask, counts))
+        width = int(counts.max())
+        # queries packed per row, (R, width): the positions of its running tokens first, in order
+        order = torch.sort((~active).to(torch.uint8), dim=-1, stable=True).indices[:, :width]
+        self.valid = torch.arange(width, device=active.device) < counts[:, None]
+        self.slots = self.valid.flatten().nonzero().squeeze(-1)  # (N,) the valid places of the (R * width) queries
+        allowed = keymask.gather(1, order[..., None].expand(-1, -1, keymask.shape[-1])) | ~self.valid[..., None]
+        self.allowed = allowed[:, None]
+        self.rope = tuple(x.expand(batch, seq, -1).reshape(batch * seq, -1).index_select(0, self.flat)
+                          for x in position_embeddings)
+
+    def gather(self, hidden_states):
+        """The running tokens' states ``(N, D)`` of ``(B, S, D)``."""
+        return hidden_states.reshape(-1, hidden_states.shape[-1]).index_select(0, self.flat)
 
 
 def _mixture(loop_logits, pdf):
@@ -398,13 +460,18 @@ class OuroModel(OuroPreTrainedModel):
     def _loops_with_exit(self, hidden_states, loops, mask, position_embeddings, cache, keymask, threshold, tol,
                          **kwargs):
         """``exit_mode="skip"``: every loop runs on the tokens still running only. Returns the loop states (an exited
-        token keeps its exit state), the gate logits and each token's exit loop ``(B, S)``."""
-        num_layers, rule = self.config.num_hidden_layers, ExitRule(threshold, tol)
-        active = torch.ones(hidden_states.shape[:2], dtype=torch.bool, device=hidden_states.device)
-        exit_loop = torch.full(active.shape, loops - 1, dtype=torch.long, device=active.device)
-        states, gates, running = [], [], active.numel()
+        token keeps its exit state), the gate logits and each token's exit loop ``(B, S)``.
+
+        Per loop the bookkeeping is a few tensor ops and one host sync (the running count): the running set's index
+        tensors (``_RunningSet``) are built when a token exits, not every loop, and ``exit_loop`` is written only then;
+        while every token runs, the plain loop runs (no index tensors at all)."""
+        num_layers, rule = len(self.layers), ExitRule(threshold, tol)
+        total = hidden_states.shape[0] * hidden_states.shape[1]
+        active, running, current = None, total, None  # active None: every token runs; current: the _RunningSet
+        exit_loop = torch.full(hidden_states.shape[:2], loops - 1, dtype=torch.long, device=hidden_states.device)
+        states, gates, x = [], [], None
         for t in range(loops):
-            if running == active.numel():  # the plain loop, exactly
+            if active is None:  # the plain loop, exactly
                 new = self.loop(hidden_states, mask, position_embeddings, cache, offset=t * num_layers, **kwargs)
                 gate = self.early_exit_gate(new)
             elif running == 0:  # every token has exited: the remaining slots get copies, nothing is computed
@@ -413,88 +480,76 @@ class OuroModel(OuroPreTrainedModel):
                 gates += [gates[-1]] * (loops - t)
                 break
             else:
-                new, index, x = self._loop_running(hidden_states, active, position_embeddings, cache, t * num_layers,
-                                                   keymask)
-                gate = _put_running(gates[-1], index, self.early_exit_gate(x))  # an exited token's gate is frozen
+                if current is None:  # the running set changed: gather it anew
+                    current, x = _RunningSet(active, position_embeddings, keymask), None
+                new, x = self._loop_running(hidden_states, current, cache, t * num_layers, x)
+                gate = _put_running(gates[-1], current.flat, self.early_exit_gate(x))  # an exited token's is frozen
             states.append(new)
             gates.append(gate)
             fire = rule(gate, hidden_states if t else None, new) if t < loops - 1 else None
             if fire is not None:
-                exit_loop = exit_loop.masked_fill(active & fire, t)
-                active = active & ~fire
-                running = int(active.sum())
+                # bool tensors: a > b is a & ~b, one op (the tokens that ran and did not fire)
+                still = ~fire if active is None else active > fire
+                count = int(still.sum())
+                if count != running:  # tokens exited at this loop: record them, rebuild the running set
+                    exit_loop = exit_loop.masked_fill(fire if active is None else active ^ still, t)
+                    running, current = count, None
+                if count < total:
+                    active = still
             hidden_states = new
         return states, gates, exit_loop
 
     def _copy_slots(self, cache, slots, seq: int) -> None:
         """Each of ``slots`` gets the previous loop's entries of this call's ``seq`` tokens (its latest ones)."""
         for slot in slots:
-            latest = cache.layers[slot - self.config.num_hidden_layers]
+            latest = cache.layers[slot - len(self.layers)]
             cache.update(latest.keys[:, :, -seq:], latest.values[:, :, -seq:], slot)
 
-    def _loop_running(self, hidden_states, active, position_embeddings, cache, offset, keymask):
-        """One loop for the running tokens (``active``, ``(B, S)``) only, gathered; the others keep their state, and
-        their cache entries of this loop are copies of their latest ones (those of their exit loop). Returns the new
-        states ``(B, S, D)``, the running tokens' index ``(b, s)`` and their new states ``(N, D)``. ``keymask`` None:
-        decoding without padding (every query sees every key)."""
-        batch, seq = active.shape
-        b, s = active.nonzero(as_tuple=True)  # (N,) running tokens, row-major
-        if seq == 1:  # decoding: one query per running row, no packing (valid=None)
-            rows, valid, allowed = b, None, None if keymask is None else keymask[b]
-        else:
-            rows = active.any(-1).nonzero().squeeze(-1)  # (R,) rows with a running token
-            counts = active[rows].sum(-1)
-            width = int(counts.max())
-            # queries packed per row, (R, width): the positions of its running tokens first, in order
-            order = torch.sort((~active[rows]).to(torch.uint8), dim=-1, stable=True).indices[:, :width]
-            valid = torch.arange(width, device=active.device) < counts[:, None]
-            allowed = keymask[rows].gather(1, order[..., None].expand(-1, -1, keymask.shape[-1])) | ~valid[..., None]
-        if seq == 1:  # decoding: index_select (one query per row) is cheaper than advanced indexing
-            # rotary embeddings (N or 1, head_dim): shared by every row when the positions are (no padding)
-            rope = tuple(x[:, 0] if x.shape[0] == 1 else x[:, 0].index_select(0, b) for x in position_embeddings)
-            x = hidden_states[:, 0].index_select(0, b)  # (N, D)
-        else:
-            rope = tuple(x.expand(batch, seq, -1)[b, s] for x in position_embeddings)  # (N, head_dim) each
-            x = hidden_states[b, s]  # (N, D)
+    def _loop_running(self, hidden_states, running, cache, offset, x=None):
+        """One loop for the running tokens (``running``, a ``_RunningSet``) only, gathered; the others keep their
+        state, and their cache entries of this loop are copies of their latest ones (those of their exit loop). ``x``:
+        the running tokens' states ``(N, D)`` if the previous loop ran on the same set (no gather). Returns the new
+        states ``(B, S, D)`` and the running tokens' new states ``(N, D)``."""
+        if x is None:
+            x = running.gather(hidden_states)
+        seq = hidden_states.shape[1]
         for layer_idx, layer in enumerate(self.layers):
-            attend = partial(self._attend_running, cache=cache, slot=offset + layer_idx, seq=seq, index=(b, s),
-                             rows=rows, valid=valid, allowed=allowed, rope=rope)
-            x = layer(x, attend=attend)
+            x = layer(x, attend=partial(self._attend_running, cache=cache, slot=offset + layer_idx, seq=seq,
+                                        running=running))
         x = self.norm(x)
-        return _put_running(hidden_states, (b, s), x), (b, s), x
+        return _put_running(hidden_states, running.flat, x), x
 
-    def _attend_running(self, attn, x, cache, slot, seq, index, rows, valid, allowed, rope):
+    def _attend_running(self, attn, x, cache, slot, seq, running):
         """Attention of the running tokens ``x`` ``(N, D)`` (already normed) of a call of ``seq`` tokens: slot
         ``slot`` gets the previous loop's latest keys and values of this call with the running tokens' replaced;
-        queries attend packed per row ``(R, width)`` (``valid``), or one per row when decoding (``valid=None``)."""
+        queries attend packed per row ``(R, width)`` (``running.valid``), or one per row when decoding (``valid``
+        None). The rows' keys are gathered only when some row has no running token."""
         n, head_dim = x.shape[0], attn.head_dim
         q = attn.q_proj(x).view(n, -1, head_dim)
         k = attn.k_proj(x).view(n, -1, head_dim)
         v = attn.v_proj(x).view(n, -1, head_dim)
-        q, k = apply_rotary_pos_emb(q, k, *rope, unsqueeze_dim=1)
+        q, k = apply_rotary_pos_emb(q, k, *running.rope, unsqueeze_dim=1)
         latest = cache.layers[slot - len(self.layers)]  # this layer, previous loop: (B, H_kv, past + S, head_dim)
-        if valid is None:  # decoding, one query per running row: index_copy / index_select (cheaper than indexing)
-            keys = latest.keys[:, :, -1:].index_copy(0, index[0], k[:, :, None])
-            values = latest.values[:, :, -1:].index_copy(0, index[0], v[:, :, None])
-            keys, values = cache.update(keys, values, slot)
-            keys = repeat_kv(keys.index_select(0, rows), attn.num_key_value_groups)
-            values = repeat_kv(values.index_select(0, rows), attn.num_key_value_groups)
-        else:
-            keys, values = latest.keys[:, :, -seq:].clone(), latest.values[:, :, -seq:].clone()
-            keys[index[0], :, index[1]] = k
-            values[index[0], :, index[1]] = v
-            keys, values = cache.update(keys, values, slot)
-            keys = repeat_kv(keys[rows], attn.num_key_value_groups)
-            values = repeat_kv(values[rows], attn.num_key_value_groups)
-        if valid is None:  # one query per row: (N, H, 1, head_dim)
+        if running.valid is None:  # decoding, one query per running row: index_copy (cheaper than indexing)
+            keys = latest.keys[:, :, -1:].index_copy(0, running.flat, k[:, :, None])
+            values = latest.values[:, :, -1:].index_copy(0, running.flat, v[:, :, None])
+        else:  # (B, S, H_kv, head_dim) with the running tokens' entries put, back to (B, H_kv, S, head_dim)
+            keys, values = (_put_running(x[:, :, -seq:].transpose(1, 2), running.flat, y).transpose(1, 2)
+                            for x, y in ((latest.keys, k), (latest.values, v)))
+        keys, values = cache.update(keys, values, slot)
+        if running.rows is not None:  # only the rows with a running token attend
+            keys, values = keys.index_select(0, running.rows), values.index_select(0, running.rows)
+        keys = repeat_kv(keys, attn.num_key_value_groups)
+        values = repeat_kv(values, attn.num_key_value_groups)
+        if running.valid is None:  # one query per row: (N, H, 1, head_dim)
             out = F.scaled_dot_product_attention(q[:, :, None], keys, values, scale=attn.scaling,
-                                                 attn_mask=None if allowed is None else allowed[:, None])
+                                                 attn_mask=running.allowed)
             return attn.o_proj(out.reshape(n, -1))
-        query = q.new_zeros(*valid.shape, *q.shape[1:])
-        query[valid] = q  # (R, width, H, head_dim)
-        out = F.scaled_dot_product_attention(query.transpose(1, 2), keys, values, attn_mask=allowed[:, None],
-                                             scale=attn.scaling)
-        return attn.o_proj(out.transpose(1, 2)[valid].reshape(n, -1))
+        # queries (R, width, H, head_dim) put and taken through the flat places of the valid ones (no mask indexing)
+        query = q.new_zeros(running.valid.numel(), *q.shape[1:]).index_copy(0, running.slots, q)
+        out = F.scaled_dot_product_attention(query.view(*running.valid.shape, *q.shape[1:]).transpose(1, 2), keys,
+                                             values, attn_mask=running.allowed, scale=attn.scaling)
+        return attn.o_proj(out.transpose(1, 2).reshape(running.valid.numel(), -1).index_select(0, running.slots))
 
     def loop_step(self, hidden_states, attention_mask=None, position_ids=None):
         """One uncached loop as a function of the state alone. The mask is built for the attention implementation

@@ -10,8 +10,9 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from hf_fixedpoint.modeling import OuroConfig, OuroForCausalLM
+from hf_fixedpoint.modeling.ouro import modeling_ouro
 from hf_fixedpoint.modeling.ouro.fp_compat import create_causal_mask
-from hf_fixedpoint.modeling.ouro.modeling_ouro import ExitRule, adaptive_gate_loss
+from hf_fixedpoint.modeling.ouro.modeling_ouro import ExitRule, adaptive_gate_loss, loop_change
 
 TINY = {"vocab_size": 99, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "max_position_embeddings": 64, "total_ut_steps": 4, "pad_token_id": 0,
@@ -108,7 +109,27 @@ def _reference_step(model, ids, mask, position_ids, cache, threshold):
     return state, exit_loop
 
 
-def test_cache_and_outputs_equal_a_reference_built_by_the_rule_float64():
+def _record_running_sets(monkeypatch):
+    """Counts the kinds of running sets built (decoding; packed prompt with every row running, or with the rows
+    gathered) and the partial loops that reused the previous loop's set and states."""
+    seen = {"decode": 0, "every row": 0, "rows gathered": 0, "reused": 0, "built": 0}
+    build, run = modeling_ouro._RunningSet.__init__, modeling_ouro.OuroModel._loop_running
+
+    def counted_build(self, *args):
+        build(self, *args)
+        seen["decode" if self.valid is None else "every row" if self.rows is None else "rows gathered"] += 1
+
+    def counted_run(self, hidden_states, running, cache, offset, x=None):
+        seen["built" if x is None else "reused"] += 1
+        return run(self, hidden_states, running, cache, offset, x)
+
+    monkeypatch.setattr(modeling_ouro._RunningSet, "__init__", counted_build)
+    monkeypatch.setattr(modeling_ouro.OuroModel, "_loop_running", counted_run)
+    return seen
+
+
+def test_cache_and_outputs_equal_a_reference_built_by_the_rule_float64(monkeypatch):
+    seen = _record_running_sets(monkeypatch)
     model = _model()
     _, ids, mask = _padded_batch()
     position_ids = (mask.cumsum(-1) - 1).clamp_min(0)
@@ -132,6 +153,22 @@ def test_cache_and_outputs_equal_a_reference_built_by_the_rule_float64():
             position_ids = position_ids[:, -1:] + 1
     exits = torch.cat(exits)
     assert (exits < 3).any() and (exits == 3).any() and len(set(exits.tolist())) >= 2
+    # every kind of running set was built, and a loop reused the previous loop's set (no token exited in between)
+    assert min(seen.values()) > 0, seen
+
+
+def test_loop_change_of_loops_run_on_no_token_is_zero_float64():
+    model = _model(total_ut_steps=6)
+    _, ids, mask = _padded_batch()
+    with torch.no_grad():
+        # threshold 0: every token exits after loop 0; tolerance 10: after loop 1 (its change is below 10)
+        for kw, exit_at in (({"exit_threshold": 0.0}, 0), ({"exit_tol": 10.0}, 1)):
+            out = model(ids, attention_mask=mask, exit_mode="skip", **kw)
+            states = out.loop_hidden_states
+            assert (out.exit_loop == exit_at).all() and all(s is states[exit_at] for s in states[exit_at:])
+            assert (out.loop_change[:, :exit_at] > 0).all() and (out.loop_change[:, exit_at:] == 0).all()
+            copies = [s.clone() for s in states]  # no repeated objects: every pair computed
+            torch.testing.assert_close(out.loop_change, loop_change(copies, mask), rtol=0, atol=0)
 
 
 def test_reported_flops_follow_the_loops_run():

@@ -420,6 +420,22 @@ def test_loop_change_is_the_relative_change_of_each_sequence_between_loops_float
         assert model(ids, total_ut_steps=1).loop_change is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_loop_change_stacked_equals_pair_by_pair(monkeypatch, dtype):
+    """Small states go through one stacked copy, large ones pair by pair: the same numbers, bit for bit."""
+    from hf_fixedpoint.modeling.ouro import modeling_ouro
+
+    generator = torch.Generator().manual_seed(0)
+    states = [torch.randn(3, 7, 32, generator=generator).to(dtype) for _ in range(5)]
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[0, :4] = 0  # left padding, excluded
+    stacked = modeling_ouro.loop_change(states, mask)
+    monkeypatch.setattr(modeling_ouro, "LOOP_CHANGE_STACK_LIMIT", 0)
+    pairwise = modeling_ouro.loop_change(states, mask)
+    assert stacked.shape == (3, 4) and stacked.dtype == torch.promote_types(dtype, torch.float32)
+    assert torch.equal(stacked, pairwise)
+
+
 def _settling_model(**config):
     """A model whose loop is idempotent (the layers add nothing, the final RMS norm is a projection): it settles."""
     torch.manual_seed(0)
