@@ -58,6 +58,10 @@ def check_fpsa_settings(s: dict) -> None:
     check_number(s["fpsa_jac_weight"], "fpsa_jac_weight", low=0.0)
     check_choice(s["fpsa_jac_norm"], "fpsa_jac_norm", JAC_NORMS)
     check_number(s["fpsa_jac_target"], "fpsa_jac_target", low=0.0, high=1.0, high_open=True)
+    if s["fpsa_jac_weight"] > 0 and s["fpsa_halting"] == "learned":
+        raise ValueError(f"fpsa_jac_weight={s['fpsa_jac_weight']!r} needs fpsa_halting='tolerance': learned halting "
+                         "backpropagates through its short loop and builds no Jacobian penalty. Allowed: "
+                         "fpsa_jac_weight=0 with fpsa_halting='learned'.")
 
 
 def pop_fpsa_kwargs(kwargs: dict, defaults: Optional[dict] = None) -> dict:

@@ -19,6 +19,9 @@ The returned value is always the solver's ``z*``; the mode changes gradients onl
 put in ``eval()`` mode) trains as expected.
 """
 
+import collections
+import contextlib
+import functools
 import warnings
 from typing import Callable, Optional, Sequence
 
@@ -39,7 +42,8 @@ class _ImplicitGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z_star, fh, h, options, clip, stats, mask):
         ctx.options, ctx.clip, ctx.stats, ctx.mask = options, clip, stats, mask
-        ctx.save_for_backward(fh, h)
+        with _kept_as_is():
+            ctx.save_for_backward(fh, h)
         return z_star.clone()
 
     @staticmethod
@@ -76,22 +80,58 @@ class _ImplicitGrad(torch.autograd.Function):
         return None, u, None, None, None, None, None
 
 
-def differentiable_evaluation(f: Callable, z_star: torch.Tensor):
+def _keep(t):
+    return t
+
+
+def _kept_as_is():
+    """Saved-tensor hooks that keep tensors as they are, over any outer ones. Non-reentrant activation checkpointing
+    recomputes its region once per backward graph task; the adjoint solve runs one graph task per product on the shared
+    graph, so a checkpointed graph would recompute the whole layer (its forward solve included) per product."""
+    return torch.autograd.graph.saved_tensors_hooks(_keep, _keep)
+
+
+def differentiable_evaluation(f: Callable, z_star: torch.Tensor, context: Optional[Callable] = None):
     """``(h, f(h))`` with ``h`` a leaf copy of ``z*`` that requires grad: the graph an implicit backward and a
-    Jacobian regulariser at the fixed point can share (``fixed_point``'s ``evaluation_hook``)."""
+    Jacobian regulariser at the fixed point can share (``fixed_point``'s ``evaluation_hook``). Its saved tensors are
+    kept as they are (not checkpointed, see ``_kept_as_is``); ``context()``, if given, is entered around ``f``."""
     h = z_star.detach().requires_grad_()
-    return h, f(h)
+    with _kept_as_is(), (context() if context is not None else contextlib.nullcontext()):
+        return h, f(h)
+
+
+def _reaches_other_leaves(fh: torch.Tensor, h: torch.Tensor) -> bool:
+    """Whether the graph of ``fh`` reaches a tensor that requires grad other than the leaf ``h``: breadth first, so
+    the parameters of ``f`` are found after a few nodes; a frozen ``f`` is walked whole (its own graph, then whatever
+    its other inputs came from)."""
+    queue, seen = collections.deque([fh.grad_fn]), set()
+    while queue:
+        node = queue.popleft()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf that requires grad
+        if variable is not None:
+            if variable is not h:
+                return True
+            continue
+        queue.extend(nxt for nxt, _ in node.next_functions)
+    return False
+
+
+def _evaluate_for_hook(hook: Callable, context: Optional[Callable], f: Callable, z_star: torch.Tensor):
+    h, fh = differentiable_evaluation(f, z_star, context)
+    hook(h, fh)
+    return h, fh
+
+
+def _drop_grad(t):
+    t.grad = None
 
 
 def _straight_through(z_star, z_grad):
     """Value of ``z_star``, gradient of ``z_grad``."""
     return z_star + (z_grad - z_grad.detach())
-
-
-def _evaluate_for(hook, f, z_star):
-    """The modes other than ``ift`` build no graph at ``h = z*``: give ``hook`` one of its own."""
-    if hook is not None:
-        hook(*differentiable_evaluation(f, z_star))
 
 
 def _picard_unroll(f, z, steps, damping):
@@ -114,9 +154,10 @@ def ift(f, z0, z_star, stats, *, solver="anderson", tol=None, max_iter=None, sol
     options = SolveOptions(solver=solver, tol=_forward.tol if tol is None else tol, stop_mode="rel",
                            max_iter=_forward.max_iter if max_iter is None else max_iter,
                            solver_kwargs=solver_kwargs or None, return_mode="last")
-    h, fh = differentiable_evaluation(f, z_star)
-    if _hook is not None:
-        _hook(h, fh)
+    h, fh = differentiable_evaluation(f, z_star) if _hook is None else _hook(f, z_star)
+    h.register_post_accumulate_grad_hook(_drop_grad)  # the outer backward also reaches h: nothing needs dL/dh
+    if not _reaches_other_leaves(fh, h):  # nothing f uses requires grad (a frozen model under enable_grad)
+        return z_star
     if isinstance(mask, str):
         mask = stats.converged
     if mask is not None:
@@ -127,21 +168,24 @@ def ift(f, z0, z_star, stats, *, solver="anderson", tol=None, max_iter=None, sol
 @BACKWARDS.register("phantom")
 def phantom(f, z0, z_star, stats, *, steps=5, damping=1.0, _forward=None, _hook=None):
     """Phantom gradient: ``steps`` damped steps from ``z*`` with gradient."""
-    _evaluate_for(_hook, f, z_star)
+    if _hook is not None:  # the modes other than ift build no graph at z*: the hook gets one of its own
+        _hook(f, z_star)
     return _straight_through(z_star, _picard_unroll(f, z_star, steps, damping))
 
 
 @BACKWARDS.register("one_step")
 def one_step(f, z0, z_star, stats, *, _forward=None, _hook=None):
     """Jacobian-free backprop: one step ``f(z*)`` with gradient."""
-    _evaluate_for(_hook, f, z_star)
+    if _hook is not None:  # the modes other than ift build no graph at z*: the hook gets one of its own
+        _hook(f, z_star)
     return _straight_through(z_star, f(z_star))
 
 
 @BACKWARDS.register("bptt")
 def bptt(f, z0, z_star, stats, *, steps=None, damping=1.0, _forward=None, _hook=None):
     """Backprop through a Picard unroll (see module docstring)."""
-    _evaluate_for(_hook, f, z_star)
+    if _hook is not None:  # the modes other than ift build no graph at z*: the hook gets one of its own
+        _hook(f, z_star)
     if steps is None or steps >= stats.nfe:
         return _straight_through(z_star, _picard_unroll(f, z0, stats.nfe, damping))
     return _straight_through(z_star, _picard_unroll(f, z_star, steps, damping))
@@ -177,7 +221,8 @@ def backward_kwargs_check(backward: str, kwargs: Optional[dict], argument: str =
 def fixed_point(f: Callable, z0: torch.Tensor, *, args: Sequence = (), options: Optional[SolveOptions] = None,
                 backward: str = "ift", backward_kwargs: Optional[dict] = None, row_mask: Optional[torch.Tensor] = None,
                 residual_fn: Optional[Callable] = None, check: bool = True,
-                evaluation_hook: Optional[Callable] = None, **option_changes):
+                evaluation_hook: Optional[Callable] = None, evaluation_context: Optional[Callable] = None,
+                **option_changes):
     """Find ``z* = f(z*, *args)`` and make it differentiable with respect to everything ``f`` uses.
 
     Args:
@@ -193,7 +238,11 @@ def fixed_point(f: Callable, z0: torch.Tensor, *, args: Sequence = (), options: 
         evaluation_hook: with gradients enabled, called as ``evaluation_hook(h, fh)`` with ``h`` a leaf copy of
             ``z*`` that requires grad and ``fh = f(h, *args)`` with its graph: a Jacobian regulariser at the fixed
             point (``fp_jacobian``'s ``fz=``) reuses it. ``ift`` builds its backward on the same evaluation, so the
-            regulariser costs no extra evaluation of ``f``; the other modes evaluate once more for it.
+            regulariser costs no extra evaluation of ``f``; the other modes evaluate once more for it. The regulariser
+            and the loss on ``z*`` must go through one backward (or the first with ``retain_graph=True``): they share
+            the graph.
+        evaluation_context: with ``evaluation_hook``, a callable returning the context manager that evaluation runs
+            in (e.g. ``lambda: sdpa_kernel(SDPBackend.MATH)`` where the regulariser needs a double backward).
 
     Returns:
         ``(z_star, stats)``: ``z_star`` shaped like ``z0``; ``stats`` a ``FixedPointStats``.
@@ -206,13 +255,18 @@ def fixed_point(f: Callable, z0: torch.Tensor, *, args: Sequence = (), options: 
     opts = resolve_options(options, check, **option_changes)
     if check:
         backward_kwargs = backward_kwargs_check(backward, backward_kwargs)
+    if evaluation_context is not None and evaluation_hook is None:
+        raise ValueError("evaluation_context is the context of evaluation_hook's evaluation; pass evaluation_hook too "
+                         "(or evaluation_context=None).")
     z_star, stats = solve(f, z0, args=args, options=opts, row_mask=row_mask, residual_fn=residual_fn, check=False)
     if not torch.is_grad_enabled():
         return z_star, stats
     args = tuple(args)
     fn = (lambda z: f(z, *args)) if args else f
     mode = BACKWARDS.get(backward)
-    z_out = mode(fn, z0, z_star, stats, **(backward_kwargs or {}), _forward=opts, _hook=evaluation_hook)
+    hook = None if evaluation_hook is None else functools.partial(_evaluate_for_hook, evaluation_hook,
+                                                                  evaluation_context)
+    z_out = mode(fn, z0, z_star, stats, **(backward_kwargs or {}), _forward=opts, _hook=hook)
     return z_out, stats
 
 

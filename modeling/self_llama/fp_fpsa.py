@@ -272,7 +272,7 @@ def fpsa_attention(
 def _tolerance_solve(fmap: _LayerMap, o1, args, fp_kwargs, opts: FPSAOptions, hook=None):
     """The loop after the exact first step ``o1``: ``(o, solve stats, iterations, converged)``, counts per (token,
     head) with the first step included. ``hook``: ``fixed_point``'s ``evaluation_hook`` (the Jacobian penalty); its
-    evaluation of the map, with gradients, runs on the math attention kernel (the penalty needs a double backward)."""
+    evaluation of the map runs on the math attention kernel (``_math_attention``)."""
     B, T, H = o1.shape[:3]
     ones = torch.ones(B, T, H, dtype=torch.long, device=o1.device)
     max_iter = fp_kwargs["max_iter"]
@@ -281,6 +281,8 @@ def _tolerance_solve(fmap: _LayerMap, o1, args, fp_kwargs, opts: FPSAOptions, ho
     kw = dict(fp_kwargs, max_iter=max_iter - 1, min_iter=max(fp_kwargs.get("min_iter", 0) - 1, 0))
     if opts.halt_unit == "state":
         kw["residual_fn"] = _state_change(fmap.state)
+    if hook is not None:
+        kw.update(evaluation_hook=hook, evaluation_context=_math_attention)
     if opts.adjoint_mask and kw.get("backward") == "ift":
         kw["backward_kwargs"] = {**(kw.get("backward_kwargs") or {}), "mask": "converged"}
     batch_dims = 3 if opts.halt_unit == "head" else 2
@@ -293,11 +295,10 @@ def _tolerance_solve(fmap: _LayerMap, o1, args, fp_kwargs, opts: FPSAOptions, ho
         keys = torch.empty((B, value.shape[1], T, value.shape[-1]), dtype=value.dtype, device=value.device)
         stale = torch.ones(B, T, dtype=torch.bool, device=o1.device)
         sparse_f = _open_tokens_map(fmap.state, fmap.scaled_query, fmap.key, fmap.attend_rows, fmap.step_norm)
-        o, stats = fixed_point(_math_with_grad(sparse_f, hook), o1, args=(residual, value, mask, keys, stale),
-                               batch_dims=batch_dims, compact=True, pass_active=True, evaluation_hook=hook, **kw)
+        o, stats = fixed_point(sparse_f, o1, args=(residual, value, mask, keys, stale), batch_dims=batch_dims,
+                               compact=True, pass_active=True, **kw)
     else:
-        o, stats = fixed_point(_math_with_grad(fmap.f, hook), o1, args=args, batch_dims=batch_dims, compact=True,
-                               evaluation_hook=hook, **kw)
+        o, stats = fixed_point(fmap.f, o1, args=args, batch_dims=batch_dims, compact=True, **kw)
     nstep, converged = stats.nstep, stats.converged
     if opts.halt_unit != "head":  # one entry per token: every head of it shares the count
         nstep, converged = nstep[..., None], converged[..., None].expand_as(ones)
@@ -322,20 +323,11 @@ def _state_change(state):
     return residual
 
 
-def _math_with_grad(f, hook):
-    """``f``, with its evaluations under gradients on SDPA's math kernel when ``hook`` (the Jacobian penalty) will
-    take a double backward through them: the fused CPU/GPU kernels have none. The solve's own evaluations keep the
+def _math_attention():
+    """The context of the evaluation the Jacobian penalty differentiates twice: SDPA's fused CPU/GPU kernels have no
+    double backward, its math one has. The solve's own evaluations and the other backward modes' unrolls keep the
     fused kernels."""
-    if hook is None:
-        return f
-
-    def f_math(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return f(*args, **kwargs)
-        with sdpa_kernel(SDPBackend.MATH):
-            return f(*args, **kwargs)
-
-    return f_math
+    return sdpa_kernel(SDPBackend.MATH)
 
 
 def _jacobian_penalty(h, fh, jac_norm, jac_target):

@@ -172,10 +172,23 @@ class FPSAResult:
 
 
 def with_jac_penalty(output, stats: FPSAStats, weight: float):
-    """Add ``weight *`` the mean per-layer Jacobian penalty to ``output.loss`` (when both exist); return ``output``."""
+    """Add ``weight *`` the mean per-layer Jacobian penalty to ``output.loss`` (when both exist); return ``output``.
+
+    A loss that will be backpropagated (it requires grad) from layers that iterated but recorded no penalty means the
+    layers ran without gradients, as under reentrant activation checkpointing: the penalty would be silently missing
+    from the loss, so that is an error."""
+    if output.loss is None or weight <= 0:
+        return output
     penalty = stats.jac_penalty()
-    if output.loss is not None and penalty is not None and weight > 0:
-        output.loss = output.loss + weight * penalty.to(output.loss.dtype)
+    if penalty is None:
+        if output.loss.requires_grad and stats.max_iter > 1:
+            raise ValueError(
+                f"fpsa_jac_weight={weight:g} is set but no FPSA layer built its Jacobian penalty: the layers ran "
+                "without gradients while the loss has them, as under reentrant gradient checkpointing. Use "
+                "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}) or "
+                "fpsa_jac_weight=0.")
+        return output
+    output.loss = output.loss + weight * penalty.to(output.loss.dtype)
     return output
 
 

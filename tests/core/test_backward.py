@@ -262,3 +262,74 @@ def test_other_modes_give_the_hook_an_evaluation_at_z_star(easy, mode):
     ((h, fh),) = seen
     assert h.requires_grad and rel_err(h.detach(), zs) < 1e-10
     torch.testing.assert_close(fh, f(h, x))
+
+
+def test_ift_under_non_reentrant_checkpointing_recomputes_the_region_once():
+    # The adjoint's products run one graph task each on the shared graph: its tensors are kept as they are, not
+    # checkpointed, or every product would recompute the region (its forward solve included).
+    from torch.utils.checkpoint import checkpoint
+
+    f, W, x = tanh_problem(B=3, D=6, norm=0.9)
+    c = torch.randn(3, 6, dtype=torch.float64)
+    _, gW, gx = exact_gradients(f, W, x, c)
+    calls = []
+
+    def counted(z, x):
+        calls.append(1)
+        return f(z, x)
+
+    def block(x):
+        return fixed_point(counted, torch.zeros_like(x), args=(x,), tol=1e-12, max_iter=2000,
+                           backward_kwargs=TIGHT)[0]
+
+    W.grad = x.grad = None
+    z = checkpoint(block, x, use_reentrant=False)
+    forward_calls = len(calls)
+    (z * c).sum().backward()
+    assert len(calls) - forward_calls <= forward_calls + 1  # one recompute of the region, then no more evaluations
+    assert rel_err(W.grad, gW) < 1e-10 and rel_err(x.grad, gx) < 1e-10
+
+
+def test_frozen_map_under_enable_grad_gives_an_output_without_grad():
+    f, W, x = tanh_problem(B=2, D=5, norm=0.9)
+    W.requires_grad_(False)
+    z, _ = fixed_point(f, torch.zeros(2, 5, dtype=torch.float64), args=(x.detach(),))
+    assert not z.requires_grad
+    z, _ = fixed_point(f, torch.zeros(2, 5, dtype=torch.float64), args=(x,))  # the injection still needs a gradient
+    assert z.requires_grad
+
+
+def test_the_leaf_of_the_shared_evaluation_keeps_no_gradient():
+    f, W, x = tanh_problem(B=2, D=5, norm=0.9)
+    seen = []
+    z, _ = fixed_point(f, torch.zeros(2, 5, dtype=torch.float64), args=(x,),
+                       evaluation_hook=lambda h, fh: seen.append(h))
+    z.sum().backward()
+    assert seen[0].grad is None and W.grad is not None
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_evaluation_context_wraps_the_hook_evaluation_only(easy, mode):
+    import contextlib
+
+    f, W, x, c, zs, gW, gx = easy
+    inside, calls_inside = [False], []
+
+    @contextlib.contextmanager
+    def context():
+        inside[0] = True
+        yield
+        inside[0] = False
+
+    def counted(z, x):
+        if torch.is_grad_enabled():
+            calls_inside.append(inside[0])
+        return f(z, x)
+
+    z, _ = fixed_point(counted, torch.zeros_like(x.detach()), args=(x,), tol=1e-10, max_iter=2000, backward=mode,
+                       backward_kwargs={"steps": 3} if mode == "bptt" else None,
+                       evaluation_hook=lambda h, fh: None, evaluation_context=context)
+    assert calls_inside.count(True) == 1  # the hook's evaluation; a phantom / bptt unroll runs outside it
+    assert len(calls_inside) == {"ift": 1, "one_step": 2, "phantom": 6, "bptt": 4}[mode]
+    with pytest.raises(ValueError, match="evaluation_context is the context of evaluation_hook"):
+        fixed_point(f, torch.zeros_like(x.detach()), args=(x,), evaluation_context=context)

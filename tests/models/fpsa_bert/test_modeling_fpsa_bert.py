@@ -341,6 +341,35 @@ def test_jacobian_penalty_joins_the_loss(impl, norm):
         FPSABertConfig(**TINY, fpsa_jac_norm="nuclear")
 
 
+def test_jacobian_penalty_with_activation_checkpointing():
+    """Non-reentrant checkpointing keeps the penalty in the loss (same loss and gradient as without checkpointing);
+    reentrant checkpointing runs the layers without gradients, where no penalty can be built: an error, not a loss
+    silently without it. Learned halting builds none either: a config error."""
+    ids, mask = _ids()
+    labels = torch.tensor([0, 1])
+    losses, grads = [], []
+    for kwargs in (None, {"use_reentrant": False}, {"use_reentrant": True}):
+        torch.manual_seed(0)
+        model = FPSABertForSequenceClassification(FPSABertConfig(
+            **TINY, fp_max_iter=8, fpsa_jac_weight=2.0, fpsa_jac_norm="spectral", fpsa_jac_target=0.0)).double()
+        model.train()
+        if kwargs is not None:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        if kwargs == {"use_reentrant": True}:
+            with pytest.raises(ValueError, match="no FPSA layer built its Jacobian penalty.*use_reentrant"):
+                model(ids, attention_mask=mask, labels=labels)
+            continue
+        torch.manual_seed(1)  # the power iteration's random start
+        out = model(ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        losses.append(out.loss.detach())
+        grads.append(model.bert.encoder.layer[0].attention.self.query.weight.grad)
+    torch.testing.assert_close(losses[1], losses[0])
+    torch.testing.assert_close(grads[1], grads[0])
+    with pytest.raises(ValueError, match="fpsa_jac_weight=2.0 needs fpsa_halting='tolerance'"):
+        FPSABertConfig(**TINY, fpsa_jac_weight=2.0, fpsa_halting="learned")
+
+
 @pytest.mark.parametrize("head", [FPSABertForMaskedLM, FPSABertForSequenceClassification,
                                   FPSABertForTokenClassification, FPSABertForQuestionAnswering])
 def test_head_forward_signature_names_its_inputs(head):
