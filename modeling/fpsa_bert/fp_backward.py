@@ -14,6 +14,9 @@ The forward solve never builds a graph. How gradients reach the parameters and i
 * ``bptt`` -- backprop through a Picard unroll: the last ``steps`` steps from ``z*``, or, with ``steps=None`` (or at
   least the number of forward evaluations), the whole unroll from ``z0`` (then ``z0`` gets a gradient too).
 
+A mode in ``BACKWARDS`` is called as ``mode(f, z0, z_star, stats, **its_options, _forward=SolveOptions,
+_evaluation=(h, f(h)) or None)``; ``_evaluation`` is the graph ``fixed_point`` built for its ``evaluation_hook``.
+
 The returned value is always the solver's ``z*``; the mode changes gradients only, never values. Gradients depend on
 ``torch.is_grad_enabled()`` alone, never on ``module.training``: a model loaded with ``from_pretrained`` (which is
 put in ``eval()`` mode) trains as expected.
@@ -21,7 +24,6 @@ put in ``eval()`` mode) trains as expected.
 
 import collections
 import contextlib
-import functools
 import warnings
 from typing import Callable, Optional, Sequence
 
@@ -119,12 +121,6 @@ def _reaches_other_leaves(fh: torch.Tensor, h: torch.Tensor) -> bool:
     return False
 
 
-def _evaluate_for_hook(hook: Callable, context: Optional[Callable], f: Callable, z_star: torch.Tensor):
-    h, fh = differentiable_evaluation(f, z_star, context)
-    hook(h, fh)
-    return h, fh
-
-
 def _drop_grad(t):
     t.grad = None
 
@@ -142,10 +138,10 @@ def _picard_unroll(f, z, steps, damping):
 
 @BACKWARDS.register("ift")
 def ift(f, z0, z_star, stats, *, solver="anderson", tol=None, max_iter=None, solver_kwargs=None, mask=None,
-        clip=None, _forward=None, _hook=None):
+        clip=None, _forward=None, _evaluation=None):
     """Implicit differentiation; defaults: forward tolerance and cap (``_forward``, the forward ``SolveOptions``),
-    Anderson adjoint. One evaluation ``f(h)`` with a graph serves the adjoint's products, the gradient of what ``f``
-    uses, and ``_hook`` (``fixed_point``'s ``evaluation_hook``).
+    Anderson adjoint. One evaluation ``(h, f(h))`` with a graph serves the adjoint's products and the gradient of what
+    ``f`` uses: ``_evaluation``, the one ``fixed_point`` made for its ``evaluation_hook``, or a new one.
 
     ``clip`` (adjoint gradient clipping, as in the Attractor models' code): inside the adjoint map, rescale ``J^T u``
     per sample so that ``||J^T u|| <= clip * ||u||``; with ``clip < 1`` the adjoint iteration stays a contraction even
@@ -154,7 +150,7 @@ def ift(f, z0, z_star, stats, *, solver="anderson", tol=None, max_iter=None, sol
     options = SolveOptions(solver=solver, tol=_forward.tol if tol is None else tol, stop_mode="rel",
                            max_iter=_forward.max_iter if max_iter is None else max_iter,
                            solver_kwargs=solver_kwargs or None, return_mode="last")
-    h, fh = differentiable_evaluation(f, z_star) if _hook is None else _hook(f, z_star)
+    h, fh = differentiable_evaluation(f, z_star) if _evaluation is None else _evaluation
     h.register_post_accumulate_grad_hook(_drop_grad)  # the outer backward also reaches h: nothing needs dL/dh
     if not _reaches_other_leaves(fh, h):  # nothing f uses requires grad (a frozen model under enable_grad)
         return z_star
@@ -166,26 +162,20 @@ def ift(f, z0, z_star, stats, *, solver="anderson", tol=None, max_iter=None, sol
 
 
 @BACKWARDS.register("phantom")
-def phantom(f, z0, z_star, stats, *, steps=5, damping=1.0, _forward=None, _hook=None):
+def phantom(f, z0, z_star, stats, *, steps=5, damping=1.0, _forward=None, _evaluation=None):
     """Phantom gradient: ``steps`` damped steps from ``z*`` with gradient."""
-    if _hook is not None:  # the modes other than ift build no graph at z*: the hook gets one of its own
-        _hook(f, z_star)
     return _straight_through(z_star, _picard_unroll(f, z_star, steps, damping))
 
 
 @BACKWARDS.register("one_step")
-def one_step(f, z0, z_star, stats, *, _forward=None, _hook=None):
+def one_step(f, z0, z_star, stats, *, _forward=None, _evaluation=None):
     """Jacobian-free backprop: one step ``f(z*)`` with gradient."""
-    if _hook is not None:  # the modes other than ift build no graph at z*: the hook gets one of its own
-        _hook(f, z_star)
     return _straight_through(z_star, f(z_star))
 
 
 @BACKWARDS.register("bptt")
-def bptt(f, z0, z_star, stats, *, steps=None, damping=1.0, _forward=None, _hook=None):
+def bptt(f, z0, z_star, stats, *, steps=None, damping=1.0, _forward=None, _evaluation=None):
     """Backprop through a Picard unroll (see module docstring)."""
-    if _hook is not None:  # the modes other than ift build no graph at z*: the hook gets one of its own
-        _hook(f, z_star)
     if steps is None or steps >= stats.nfe:
         return _straight_through(z_star, _picard_unroll(f, z0, stats.nfe, damping))
     return _straight_through(z_star, _picard_unroll(f, z_star, steps, damping))
@@ -264,9 +254,11 @@ def fixed_point(f: Callable, z0: torch.Tensor, *, args: Sequence = (), options: 
     args = tuple(args)
     fn = (lambda z: f(z, *args)) if args else f
     mode = BACKWARDS.get(backward)
-    hook = None if evaluation_hook is None else functools.partial(_evaluate_for_hook, evaluation_hook,
-                                                                  evaluation_context)
-    z_out = mode(fn, z0, z_star, stats, **(backward_kwargs or {}), _forward=opts, _hook=hook)
+    evaluation = None
+    if evaluation_hook is not None:  # ift builds its backward on this evaluation; the other modes build none at z*
+        evaluation = differentiable_evaluation(fn, z_star, evaluation_context)
+        evaluation_hook(*evaluation)
+    z_out = mode(fn, z0, z_star, stats, **(backward_kwargs or {}), _forward=opts, _evaluation=evaluation)
     return z_out, stats
 
 

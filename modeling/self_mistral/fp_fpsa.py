@@ -254,17 +254,17 @@ def fpsa_attention(
             raise ValueError("fpsa_halting='learned' needs a halting_gate.")
         return _learned_halting(fmap.step, fmap.state, o1, w1, args, max_iter, halting_gate, opts.halt_threshold,
                                 margin_fn)
-    penalty = {}
+    jac = {}
     hook = None
     if opts.jac_penalty and max_iter > 1 and torch.is_grad_enabled():
         def hook(h, fh):  # the penalty shares the backward's evaluation of the map at the fixed point
-            penalty["jac"] = _jacobian_penalty(h, fh, opts.jac_norm, opts.jac_target)
+            jac["penalty"] = _jacobian_penalty(h, fh, opts.jac_norm, opts.jac_target)
     o, solve_stats, iterations, converged = _tolerance_solve(fmap, o1, args, fp_kwargs, opts, hook)
     weights = w1 if max_iter == 1 else None
     if opts.return_weights and max_iter > 1:
         _, weights = fmap.attend(fmap.state(o, residual), value, attention_mask, extra)
     final_state = (x if max_iter == 1 else fmap.state(o, residual)) if opts.return_state else None
-    penalty, rho = penalty.get("jac", (None, None))
+    penalty, rho = jac.get("penalty", (None, None))
     return FPSAResult(output=o.flatten(2), attn_weights=weights, iterations=iterations, converged=converged,
                       max_iter=max_iter, stats=solve_stats, state=final_state, jac_penalty=penalty, jac_rho=rho)
 
