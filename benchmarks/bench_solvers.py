@@ -706,7 +706,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="fewer repeats (~2 min)")
     ap.add_argument("--profile", action="store_true", help="also count torch ops per solver iteration")
     ap.add_argument("--sections", default="0,1,1b,2,3,4,5",
-                    help="comma-separated sections to run (default: all; P is --profile)")
+                    help="comma-separated sections to run (default: all; the op profile is --profile)")
     ap.add_argument("--mem-child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.mem_child is not None:

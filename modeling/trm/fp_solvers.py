@@ -7,11 +7,15 @@ they share.
 ``solve(f, z0, ...)`` finds ``z* = f(z*)`` without building an autograd graph. Convergence is judged per *entry*:
 the first ``batch_dims`` dimensions of ``z`` index independent entries (samples by default; ``batch_dims=2`` on a
 ``(B, T, D)`` state means per token, ``batch_dims=3`` on ``(B, H, T, d)`` means per head and token). An entry that
-meets the tolerance is frozen at its converged value while the others go on (selective update), so an entry's result
-does not depend on how long its batch-mates take. With ``compact=True`` the solver also drops finished *samples* from
-the working set, so ``f`` and the solver's own algebra run only on unfinished rows; this requires ``f`` to act on each
-sample independently (row ``i`` of its output depends only on row ``i`` of ``z`` and of the batch-sized tensors in
-``args``).
+meets the tolerance keeps the result of that step while the others go on (selective update), so an entry's result
+does not depend on how long its batch-mates take. Its state is frozen at that result (it feeds the other entries of
+its sample through ``f``), except with ``picard``, one entry per sample (``batch_dims=1``) and an ``f`` that is not
+told which entries are open (no ``pass_active``): there the result is already kept and a sample's later iterates
+feed only its own row (samples of a batch do not interact), so finished samples run on unchanged instead of paying
+an op on the whole state per step; a non-finite value in them is still reported. With ``compact=True`` the solver
+also drops finished *samples* from the working set, so ``f`` and the solver's own algebra run only on unfinished
+rows; this requires ``f`` to act on each sample independently (row ``i`` of its output depends only on row ``i`` of
+``z`` and of the batch-sized tensors in ``args``).
 
 Each solver is a small class registered in ``SOLVERS``: ``step(z, fz, gz, k)`` returns the next iterate from the
 current one, its image ``fz = f(z)`` and the residual ``gz = fz - z``; the per-entry state it keeps is a dict of
@@ -527,13 +531,17 @@ class _SolveLoop:
         self.algo = SOLVERS.get(opts.solver)(**(opts.solver_kwargs or {}))
         self.observe = getattr(self.algo, "observe", None)
         self.halts = type(self.algo).halted is not _Solver.halted  # a solver that can give up on entries
-        self.z = z0.detach().reshape(self.G, self.d)
+        self.flat = tuple(shape) == (self.G, self.d)  # f takes the (rows, d) working state as it is
+        self.z = z0.detach() if self.flat else z0.detach().reshape(self.G, self.d)
         self.acc = torch.promote_types(z0.dtype, torch.float32)
         # _residual's guard and the loop's other constants, as 0-dim tensor operands (cheaper than Python scalars)
         self.eps, self.inf_t, self.zero_t, self.minus_one = _constants(self.acc, z0.device)
-        self.flat = tuple(shape) == (self.G, self.d)  # f takes the (rows, d) working state as it is
+        self.tol_t = None  # opts.tol as such an operand, made at the first step where a row may finish
         self.done = self.conv = self.out = self.out_res = self.nstep = None
         self.frozen = None  # done[:, None], kept while done does not change
+        # Freeze finished rows at their result (see the module docstring): not for Picard on whole samples, whose
+        # later iterates feed only their own rows, when f computes every row anyway.
+        self.freeze = type(self.algo) is not Picard or opts.pass_active or self.gps != 1
         self.best = self.best_res = None
         # eager_best: set once some row's residual went up (then the best iterate is updated every step)
         self.eager_best = False
@@ -567,7 +575,7 @@ class _SolveLoop:
             self.z = algo.step(self.z, fz, gz, k)
             if event and opts.compact:  # before the freeze: the rows it drops need none
                 self._compact()
-            if self.done is not None:
+            if self.done is not None and self.freeze:
                 if self.frozen is None:
                     self.frozen = self.done[:, None]
                 self.z = torch.where(self.frozen, self.out, self.z)
@@ -667,7 +675,9 @@ class _SolveLoop:
         ``key`` is ``res`` with done rows at +inf, so ``key < tol`` are the open rows that converged now. ``conv``
         stays None (meaning: equal to ``done``) until the solver halts a row."""
         opts = self.opts
-        newly = key < opts.tol if k >= opts.min_iter else torch.zeros_like(key, dtype=torch.bool)
+        if self.tol_t is None:
+            self.tol_t = torch.full((), opts.tol, dtype=key.dtype, device=key.device)
+        newly = key < self.tol_t if k >= opts.min_iter else torch.zeros_like(key, dtype=torch.bool)
         if self.done is None:
             self.done, self.out, self.out_res = newly, fz, res
             # k for every row: open rows get theirs when they finish or at the end (cheaper than a where)
@@ -688,7 +698,7 @@ class _SolveLoop:
             self.conv = self.done if self.conv is None else self.conv
             self.done = self.done | newly_halted
         self.frozen = None
-        n_done = self.n_done_w = int(self.done.sum())
+        n_done = self.n_done_w = int(torch.count_nonzero(self.done))
         if self.gidx is not None:
             n_done += self.G - self.gidx.numel()
         self.all_done = n_done == self.G

@@ -64,6 +64,45 @@ def test_per_sample_results_do_not_depend_on_batch_mates():
         torch.testing.assert_close(z_all[b], z_one[0], rtol=0, atol=1e-13)
 
 
+@pytest.mark.parametrize("return_mode", ["best", "last"])
+@pytest.mark.parametrize("damping", [1.0, 0.5])
+def test_picard_samples_that_run_on_after_finishing_keep_their_results(damping, return_mode):
+    # Picard on whole samples does not freeze a finished sample (its later iterates feed only its own row): each
+    # sample's output, count and residual still equal those of solving it alone.
+    f0, W, x = tanh_problem(B=6, D=8, norm=0.99, symmetric=True, inj=0.1)
+    scale = torch.tensor([0.05, 0.3, 0.6, 0.9, 0.99, 1.2], dtype=torch.float64)[:, None]
+    f = lambda z, x, s: torch.tanh(s * (z @ W.T) + x)
+    kw = dict(solver="picard", solver_kwargs={"damping": damping}, tol=1e-8, max_iter=60, return_mode=return_mode)
+    z_all, s_all = solve(f, torch.zeros(6, 8, dtype=torch.float64), args=(x.detach(), scale), **kw)
+    assert len(set(s_all.nstep.tolist())) > 3
+    for b in range(6):
+        z_one, s_one = solve(f, torch.zeros(1, 8, dtype=torch.float64), args=(x.detach()[b:b + 1], scale[b:b + 1]),
+                             **kw)
+        torch.testing.assert_close(z_all[b], z_one[0], rtol=0, atol=1e-13)
+        torch.testing.assert_close(s_all.residual[b], s_one.residual[0], rtol=1e-9, atol=1e-15)
+        assert int(s_all.nstep[b]) == int(s_one.nstep[0]) and bool(s_all.converged[b]) == bool(s_one.converged[0])
+
+
+def test_finished_entries_that_feed_others_are_frozen():
+    # batch_dims=2: tokens of a sample interact through f, so even Picard keeps a finished token at its result and
+    # the open tokens see that value (the reference loop below).
+    rates = torch.tensor([0.1, 0.4, 0.7], dtype=torch.float64)[None, :, None]
+    f = lambda z: rates * z + 0.1 * z.mean(1, keepdim=True).flip(-1) + 1.0
+    z, stats = solve(f, torch.zeros(1, 3, 2, dtype=torch.float64), solver="picard", tol=1e-3, stop_mode="abs",
+                     batch_dims=2, max_iter=400)
+    assert stats.converged.all() and len(set(stats.nstep[0].tolist())) == 3
+    zr, done, out = torch.zeros(1, 3, 2, dtype=torch.float64), torch.zeros(3, dtype=torch.bool), None
+    for k in range(1, 401):
+        fz = f(zr)
+        newly = ~done & ((fz - zr).norm(dim=-1)[0] < 1e-3)
+        out = fz.clone() if out is None else torch.where(newly[None, :, None], fz, out)
+        done |= newly
+        if done.all():
+            break
+        zr = torch.where(done[None, :, None], out, fz)
+    torch.testing.assert_close(z, out, rtol=0, atol=1e-15)
+
+
 @pytest.mark.parametrize("solver", ALL_SOLVERS)
 def test_compaction_matches_no_compaction(solver):
     # Half the samples contract fast, half slowly; dropping finished rows must not change any result.
