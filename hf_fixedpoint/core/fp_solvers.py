@@ -207,23 +207,23 @@ class Anderson(_Solver):
         self.m, self.beta, self.lam = m, float(beta), float(lam)
 
     def init(self, z):
-        n, d = z.shape
-        solve_dtype = torch.promote_types(z.dtype, torch.float32)
         self.count = 0
-        self.state = {
-            "X": z.new_zeros(n, self.m, d),
-            "G": z.new_zeros(n, self.m, d),
-            "H": torch.zeros(n, self.m, self.m, dtype=solve_dtype, device=z.device),  # Gram matrix of residuals
-        }
+        self.state = {}  # the history, made at the first step (a solve whose first evaluation converges needs none)
 
     def step(self, z, fz, gz, k):
         st, m = self.state, self.m
+        if self.count == 0:  # only slots already written are read: no need to zero the states
+            n, d = z.shape
+            st["X"], st["G"] = z.new_empty(n, m, d), z.new_empty(n, m, d)
+            solve_dtype = torch.promote_types(z.dtype, torch.float32)
+            st["H"] = torch.zeros(n, m, m, dtype=solve_dtype, device=z.device)  # Gram matrix of the residuals
         slot = self.count % m
         self.count += 1
         st["X"][:, slot] = z
         st["G"][:, slot] = gz
         mm = min(self.count, m)
         if mm == 1:
+            st["H"][:, 0, 0] = torch.linalg.vecdot(gz, gz).to(st["H"].dtype)
             return z + self.beta * gz
         G = st["G"][:, :mm]
         H = st["H"]

@@ -42,6 +42,42 @@ def test_anderson_beats_picard_on_hard_case():
     assert sa.nfe < sp.nfe / 2 and sb.nfe < sp.nfe / 2
 
 
+def reference_anderson(f, z, steps, m, beta, lam):
+    """Type-II Anderson written out from its definition: min ||sum a_i g_i||^2 + lam * mean(||g_i||^2) * ||a||^2
+    subject to sum a_i = 1 over the last m residuals, then z <- sum a_i (z_i + beta g_i)."""
+    X, G, iterates = [], [], []
+    for _ in range(steps):
+        g = f(z) - z
+        X, G = (X + [z])[-m:], (G + [g])[-m:]
+        Gm, Xm = torch.stack(G, 1), torch.stack(X, 1)
+        H = Gm @ Gm.transpose(1, 2)
+        ridge = lam * torch.diagonal(H, dim1=1, dim2=2).mean(1) + torch.finfo(H.dtype).tiny
+        y = torch.linalg.solve(H + ridge[:, None, None] * torch.eye(len(G), dtype=H.dtype), torch.ones_like(H[..., 0]))
+        a = y / y.sum(1, keepdim=True)
+        z = (a[..., None] * (Xm + beta * Gm)).sum(1)
+        iterates.append(z)
+    return iterates
+
+
+@pytest.mark.parametrize("beta", [1.0, 0.7])
+def test_anderson_iterates_match_the_definition(beta):
+    # Every step's mixing uses the full Gram matrix of the residuals in its history (the first residual's own
+    # entry included), while the history fills up and after it wraps around.
+    f, W, x = tanh_problem(B=3, D=6, norm=0.99, symmetric=True, inj=0.1)
+    fx = lambda z: f(z, x.detach())
+    algo = SOLVERS.get("anderson")(m=3, beta=beta, lam=1e-3)
+    z = torch.zeros(3, 6, dtype=torch.float64)
+    algo.init(z)
+    ours = []
+    for k in range(1, 8):
+        fz = fx(z)
+        z = algo.step(z, fz, fz - z, k)
+        ours.append(z)
+    for k, (a, b) in enumerate(zip(ours, reference_anderson(fx, torch.zeros(3, 6, dtype=torch.float64), 7, 3, beta,
+                                                            1e-3))):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=lambda m: f"step {k + 1}: {m}")
+
+
 def test_anderson_is_scale_invariant():
     # Scaling the state must not change the iteration count (torchdeq's absolute ridge does: 47 / 22 / 12).
     f, W, x = tanh_problem(B=4, D=16, norm=0.99, symmetric=True)
