@@ -211,23 +211,27 @@ class Anderson(_Solver):
         self.state = {}  # the history, made at the first step (a solve whose first evaluation converges needs none)
 
     def step(self, z, fz, gz, k):
-        st, m = self.state, self.m
+        st, m, beta = self.state, self.m, self.beta
         if self.count == 0:  # only slots already written are read: no need to zero the states
             n, d = z.shape
-            st["X"], st["G"] = z.new_empty(n, m, d), z.new_empty(n, m, d)
+            st["F"], st["G"] = z.new_empty(n, m, d), z.new_empty(n, m, d)  # images f(z_i) and residuals g_i
+            if beta != 1.0:
+                st["X"] = z.new_empty(n, m, d)
             solve_dtype = torch.promote_types(z.dtype, torch.float32)
             st["H"] = torch.zeros(n, m, m, dtype=solve_dtype, device=z.device)  # Gram matrix of the residuals
         slot = self.count % m
         self.count += 1
-        st["X"][:, slot] = z
+        st["F"][:, slot] = fz
         st["G"][:, slot] = gz
+        if beta != 1.0:
+            st["X"][:, slot] = z
         mm = min(self.count, m)
-        if mm == 1:
-            st["H"][:, 0, 0] = torch.linalg.vecdot(gz, gz).to(st["H"].dtype)
-            return z + self.beta * gz
-        G = st["G"][:, :mm]
         H = st["H"]
-        row = torch.linalg.vecdot(G, gz[:, None, :]).to(H.dtype)  # (n, mm): new row of the Gram matrix
+        if mm == 1:
+            H[:, 0, 0] = torch.linalg.vector_norm(gz, dim=1, dtype=H.dtype).square()
+            return fz if beta == 1.0 else z + beta * gz
+        G = st["G"][:, :mm]
+        row = torch.bmm(G, gz[:, :, None])[..., 0].to(H.dtype)  # (n, mm): new row of the Gram matrix
         H[:, slot, :mm] = row
         H[:, :mm, slot] = row
         Hm = H[:, :mm, :mm]
@@ -239,8 +243,11 @@ class Anderson(_Solver):
         ok = (info == 0) & torch.isfinite(alpha.sum(1))  # singular system: a plain step for that entry
         last = (torch.arange(mm, device=z.device) == slot).to(alpha.dtype)
         alpha = torch.where(ok[:, None], alpha, last).to(z.dtype)[:, None, :].contiguous()  # (n, 1, mm)
-        # beta * sum a_i f(z_i) + (1 - beta) * sum a_i z_i, with f(z_i) = z_i + g_i
-        return torch.bmm(alpha, st["X"][:, :mm] + self.beta * G)[:, 0]
+        # beta * sum a_i f(z_i) + (1 - beta) * sum a_i z_i
+        mixed = torch.bmm(alpha, st["F"][:, :mm])[:, 0]
+        if beta == 1.0:
+            return mixed
+        return torch.lerp(torch.bmm(alpha, st["X"][:, :mm])[:, 0], mixed, beta)
 
 
 @SOLVERS.register("broyden")
