@@ -63,11 +63,11 @@ JAC_POWER_ITERS = 6  # power-iteration products per layer and step of the spectr
 HALT_FEATURES = 3  # relative latent change, attention entropy, task-head logit margin
 # Encoder solves: an evaluation recomputes every token (the dense map) while at least this share of the working tokens
 # is open, else the open ones only (``_open_tokens_attention``: ~15 small indexing ops and host syncs per call). One
-# evaluation, open-token path over dense map, measured by ``python -m benchmarks.bench_fpsa --dispatch`` (one thread,
-# docs/fpsa.md "Latency"): 0.75-0.83x at half the tokens open at MiniLM's shape (T=64/128, D=384, batch 4), 1.00-1.12x
-# at 75% (crossover ~0.6-0.75), but 1.31x at half open at FPSA-ViT digits' (T=17, D=64, batch 128; crossover ~0.15).
-# With 0.5 the no-grad forward costs 0.94x dense-always for MiniLM FPSA-BERT (open-token always: 1.02x) and 1.06x for
-# FPSA-ViT digits (open-token always: 1.22x).
+# evaluation, open-token path over dense map (``python -m benchmarks.bench_fpsa --dispatch``, one thread, CPU time;
+# docs/fpsa.md "Latency"): 0.76-0.83x at half the tokens open at MiniLM's shape (T=64/128, D=384, batch 4), 1.07-1.10x
+# at 75% (crossover ~0.6-0.75), but 1.33x at half open at FPSA-ViT digits' (T=17, D=64, batch 128; crossover ~0.2).
+# No-grad forward against every evaluation dense, this rule / the previous one (dense only with every token open):
+# MiniLM FPSA-BERT 0.91x / 0.92x, FPSA-ViT digits 1.03x / 1.11x.
 DENSE_OPEN_FRACTION = 0.5
 
 
