@@ -18,6 +18,17 @@ Run from the repository root::
     solve recomputing every token in every iteration (as before converged tokens dropped out of the work): the same
     outputs, more work.
 
+(c) ``--dispatch`` (runs instead of (a) and (b)): the encoder solve's dense dispatch
+    (``fp_fpsa.DENSE_OPEN_FRACTION``: an evaluation recomputes every token while at least that fraction of the
+    working tokens is open, else the open ones only). First the cost of ONE evaluation of the map with the open-token
+    path ("sparse") against the dense map, by open-token fraction, at T=17 (the FPSA-ViT digits shape of
+    ``bench_fpsa_convergence``: D=64, 4 heads, batch 128) and T=64 / 128 (MiniLM's shape: D=384, 12 heads, batch 4),
+    random weights; then the whole no-grad forward of FPSA-BERT (this MiniLM or ``--checkpoint``, batch 4 x 128) and
+    of an FPSA-ViT trained here on digits (``--vit-epochs``, the convergence benchmark's model and knobs, test batch
+    128) with the constant at infinity (sparse-always: the open-token path whenever a token is frozen), 1.0 (the code
+    before the rule: dense only while every token is open), 0 (dense-always) and its default. Min over interleaved
+    repeats, one thread; wall and process CPU time.
+
 The MiniLM weights were trained for one attention step; without ``--checkpoint`` the iteration counts here are those
 of an untrained retrofit.
 Every number printed comes from this run; only the targets are constants.
@@ -192,9 +203,18 @@ def main(argv=None):
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--checkpoint", default=None,
                         help="(b) on this FPSA-BERT export (e.g. of recipes/fpsa_glue.py), not the untrained retrofit")
+    parser.add_argument("--dispatch", action="store_true",
+                        help="(c) only: the dense dispatch of the encoder solve (sparse-always / dense-always / rule)")
+    parser.add_argument("--vit-epochs", type=float, default=15.0, help="(c): FPSA-ViT digits training epochs")
     args = parser.parse_args(argv)
     path, tok = load()
     print(f"torch {torch.__version__}, model: {path}")
+    if args.dispatch:
+        from benchmarks.bench_fpsa_dispatch import dispatch
+
+        dispatch(args.checkpoint or path, tok, repeats=5 if args.quick else 20, batch_size=args.batch_size,
+                 vit_epochs=args.vit_epochs)
+        return
     equivalence(path, tok)
     compute(path, tok, repeats=3 if args.quick else 10, batch_size=args.batch_size, checkpoint=args.checkpoint)
 

@@ -229,11 +229,41 @@ def run_cifar(knobs, args, seed):
 def vit_comparison(knobs, seed, train_xy, test_xy, collate, shape, epochs, log_every):
     """FPSA-ViT against the same model with plain attention (``fp_max_iter=1``) at matched parameters and steps, and
     at matched training time (more steps, same schedule shape), with the recipe's model and optimiser."""
-    from hf_fixedpoint.modeling.fpsa_vit import FPSAViTConfig, FPSAViTForImageClassification
-
     (x_train, y_train), (x_test, y_test) = train_xy, test_xy
     test = [collate(list(zip(x_test[i:i + 128], y_test[i:i + 128]))) for i in range(0, len(x_test), 128)]
     steps = int(epochs * math.ceil(len(x_train) / 64))
+
+    def train(extra, n_steps):
+        return train_vit(extra, seed, (x_train, y_train), collate, shape, n_steps, log_every)
+
+    rows = {}
+    vit, vit_seconds, _ = train({"fp_max_iter": 1}, steps)
+    rows["ViT"] = {"seconds": vit_seconds, "accuracy": run_eval(vit, test, ONE_STEP, argmax_score)[0]}
+    fpsa, seconds, batch_fn = train(knobs, steps)
+    rows["FPSA-ViT"] = {"seconds": seconds, **profile(fpsa, test, argmax_score)}
+    # FLOPs of one training step of each trained model, on the same batch: what a step costs without the per-op
+    # overhead that dominates the wall time of a model this small.
+    flops = train_step_flops(fpsa, batch_fn(0)) / train_step_flops(vit, batch_fn(0))
+    rows["FPSA-ViT"]["step_flops_ratio"] = flops
+    # Plain attention given the FPSA model's training time, and its training FLOPs (more epochs, same schedule shape).
+    for name, ratio in (("matched time", seconds / max(vit_seconds, 1e-9)), ("matched FLOPs", flops)):
+        matched_steps = int(steps * min(ratio, 20.0))
+        vit, vit_seconds, _ = train({"fp_max_iter": 1}, matched_steps)
+        rows[f"ViT ({name})"] = {"seconds": vit_seconds, "steps": matched_steps,
+                                 "accuracy": run_eval(vit, test, ONE_STEP, argmax_score)[0]}
+    return rows
+
+
+def train_vit(extra, seed, train_xy, collate, shape, n_steps, log_every=0):
+    """The benchmark's FPSA-ViT (config changes ``extra``, image ``shape``) trained ``n_steps`` with the recipe's
+    optimiser on shuffled batches of 64: ``(model, seconds, batch_fn)``, ``batch_fn`` going on with the shuffle."""
+    from hf_fixedpoint.modeling.fpsa_vit import FPSAViTConfig, FPSAViTForImageClassification
+
+    x_train, y_train = train_xy
+    config = FPSAViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                           num_labels=10, **shape, **extra)
+    torch.manual_seed(seed)
+    model = FPSAViTForImageClassification(config)
     g = torch.Generator().manual_seed(seed)
     order = []
 
@@ -243,31 +273,7 @@ def vit_comparison(knobs, seed, train_xy, test_xy, collate, shape, epochs, log_e
         idx = order.pop(0)
         return collate(list(zip(x_train[idx], y_train[idx])))
 
-    def train(extra, n_steps):
-        config = FPSAViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                               num_labels=10, **shape, **extra)
-        torch.manual_seed(seed)
-        model = FPSAViTForImageClassification(config)
-        order.clear()
-        g.manual_seed(seed)
-        return model, fit(model, batch_fn, n_steps, lr=2e-3, log_every=log_every)[0]
-
-    rows = {}
-    vit, vit_seconds = train({"fp_max_iter": 1}, steps)
-    rows["ViT"] = {"seconds": vit_seconds, "accuracy": run_eval(vit, test, ONE_STEP, argmax_score)[0]}
-    fpsa, seconds = train(knobs, steps)
-    rows["FPSA-ViT"] = {"seconds": seconds, **profile(fpsa, test, argmax_score)}
-    # FLOPs of one training step of each trained model, on the same batch: what a step costs without the per-op
-    # overhead that dominates the wall time of a model this small.
-    flops = train_step_flops(fpsa, batch_fn(0)) / train_step_flops(vit, batch_fn(0))
-    rows["FPSA-ViT"]["step_flops_ratio"] = flops
-    # Plain attention given the FPSA model's training time, and its training FLOPs (more epochs, same schedule shape).
-    for name, ratio in (("matched time", seconds / max(vit_seconds, 1e-9)), ("matched FLOPs", flops)):
-        matched_steps = int(steps * min(ratio, 20.0))
-        vit, vit_seconds = train({"fp_max_iter": 1}, matched_steps)
-        rows[f"ViT ({name})"] = {"seconds": vit_seconds, "steps": matched_steps,
-                                 "accuracy": run_eval(vit, test, ONE_STEP, argmax_score)[0]}
-    return rows
+    return model, fit(model, batch_fn, n_steps, lr=2e-3, log_every=log_every)[0], batch_fn
 
 
 def train_step_flops(model, batch) -> int:

@@ -61,6 +61,14 @@ from .fp_registry import check_choice, check_number
 
 JAC_POWER_ITERS = 6  # power-iteration products per layer and step of the spectral penalty (random start each step)
 HALT_FEATURES = 3  # relative latent change, attention entropy, task-head logit margin
+# Encoder solves: an evaluation recomputes every token (the dense map) while at least this share of the working tokens
+# is open, else the open ones only (``_open_tokens_attention``: ~15 small indexing ops and host syncs per call). One
+# evaluation, open-token path over dense map (``python -m benchmarks.bench_fpsa --dispatch``, one thread, CPU time;
+# docs/fpsa.md "Latency"): 0.76-0.83x at half the tokens open at MiniLM's shape (T=64/128, D=384, batch 4), 1.07-1.10x
+# at 75% (crossover ~0.6-0.75), but 1.33x at half open at FPSA-ViT digits' (T=17, D=64, batch 128; crossover ~0.2).
+# No-grad forward against every evaluation dense, this rule / the previous one (dense only with every token open):
+# MiniLM FPSA-BERT 0.91x / 0.92x, FPSA-ViT digits 1.03x / 1.11x.
+DENSE_OPEN_FRACTION = 0.5
 
 
 class FPSAHaltingGate(nn.Module):
@@ -342,18 +350,23 @@ def _jacobian_penalty(h, fh, jac_norm, jac_target):
 
 
 def _open_tokens_map(state, query, key, attend, step_norm):
-    """The FPSA map of an encoder layer for a solve that passes the open entries (``active``): with every token open
-    (or ``active=None``: the backward's own evaluations) it recomputes every token and, without gradients, caches
-    the keys in ``keys``; otherwise only tokens with an open entry are recomputed (``_open_tokens_attention``)."""
+    """The FPSA map of an encoder layer for a solve that passes the open entries (``active``): with at least
+    ``DENSE_OPEN_FRACTION`` of the tokens open (or ``active=None``: every entry open, or the backward's own
+    evaluations) it recomputes every token and, without gradients, caches the keys in ``keys``; otherwise only tokens
+    with an open entry are recomputed (``_open_tokens_attention``)."""
 
     def sparse_f(o, res, v, mask, keys, stale, active=None):
         tokens = None if active is None else (active if active.dim() == 2 else active.any(-1))
-        if tokens is None or bool(tokens.all()):
+        if tokens is None or int(tokens.sum()) >= DENSE_OPEN_FRACTION * tokens.numel():
+            # Every token recomputed; the frozen ones' images are ignored by the solver, which holds their values.
             z = state(o, res)
             k = key(z)
             if not torch.is_grad_enabled():  # the solve's own evaluations; a backward's keep their graph
-                k = keys.copy_(k)
-                stale.fill_(True)
+                k = keys.copy_(k)  # current for every token; the open ones change in this step
+                if tokens is None:
+                    stale.fill_(True)
+                else:  # the next call's stale tokens: those whose values change in this step
+                    stale.copy_(tokens)
             new = attend(query(z), k, v, mask)
         else:
             new = _open_tokens_attention(o, res, tokens, stale, v, mask, keys, state, query, key, attend)

@@ -2,6 +2,8 @@
 differences and a full unroll, the masked adjoint, a causal / RoPE / GQA decoder setup built from transformers' Llama
 pieces, the statistics helpers, learned halting and the bad-input errors."""
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -10,6 +12,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.bert.modeling_bert import eager_attention_forward
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from hf_fixedpoint.core import fp_fpsa
 from hf_fixedpoint.core.fp_fpsa import FPSAHaltingGate, fpsa_attention
 from hf_fixedpoint.core.fp_fpsa_settings import FPSA_DEFAULTS, pop_fpsa_kwargs
 from hf_fixedpoint.core.fp_fpsa_stats import FPSAStats
@@ -164,10 +167,11 @@ def test_per_entry_freezing_matches_separate_runs():
 
 @pytest.mark.parametrize("halt_unit", ["head", "token", "state"])
 @pytest.mark.parametrize("attention_fn", [eager_attention_forward, sdpa_attention_forward])
-def test_converged_tokens_drop_out_of_the_work(halt_unit, attention_fn):
+def test_converged_tokens_drop_out_of_the_work(halt_unit, attention_fn, monkeypatch):
     """The forward solve recomputes iterates, queries, keys and score rows for tokens with an open entry only (cached
     keys for the others): the same outputs and per-entry counts as recomputing every token, with a padding mask,
     samples that finish early (compaction) and a learned temperature; and it does less work."""
+    monkeypatch.setattr(fp_fpsa, "DENSE_OPEN_FRACTION", math.inf)  # the open-token path whenever a token is frozen
     blk = Block()
     x = torch.randn(3, 7, D, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     x[0] *= 0.1  # an easy sample that finishes first
@@ -200,6 +204,48 @@ def test_converged_tokens_drop_out_of_the_work(halt_unit, attention_fn):
         assert torch.equal(sparse.iterations, dense.iterations) and torch.equal(sparse.converged, dense.converged)
         assert sparse.converged.all() and sparse.iterations.unique().numel() > 1
         assert work < dense_work, (name, work, dense_work)  # fewer query rows attended
+
+
+@pytest.mark.parametrize("halt_unit", ["head", "token", "state"])
+@pytest.mark.parametrize("mask_kind", ["none", "rows"])
+def test_dense_dispatch_matches_the_open_token_path(halt_unit, mask_kind, monkeypatch):
+    """``DENSE_OPEN_FRACTION``: an evaluation with at least that share of the working tokens open recomputes every
+    token. The frozen tokens keep their values and the key cache stays current across dense -> open-token switches:
+    forced dense, forced open-token and mixed dispatches give the same outputs and per-entry counts."""
+    blk = Block()
+    x = torch.randn(3, 7, D, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    x[0] *= 0.1  # an easy sample that finishes first (compaction)
+    pad = torch.ones(3, 7, dtype=torch.bool)
+    pad[1, 5:] = False
+    rows = (pad[:, None, :, None] & pad[:, None, None, :]).expand(3, 1, 7, 7)  # per-query rows: the gather path
+    mask = None if mask_kind == "none" else torch.where(rows, 0.0, -1e9).double()
+    tau = torch.tensor([0.2, -0.3], dtype=torch.float64)
+    real_map, open_fractions = fp_fpsa._open_tokens_map, []
+
+    def recording_map(*a):  # the share of the working tokens open in each evaluation (1.0: active=None)
+        f = real_map(*a)
+
+        def g(o, *args, active=None):
+            tokens = None if active is None else (active if active.dim() == 2 else active.any(-1))
+            open_fractions.append(1.0 if tokens is None else tokens.double().mean().item())
+            return f(o, *args, active=active)
+
+        return g
+
+    monkeypatch.setattr(fp_fpsa, "_open_tokens_map", recording_map)
+    runs = {}
+    for value in (math.inf, 0.0, 0.3, 0.6):
+        monkeypatch.setattr(fp_fpsa, "DENSE_OPEN_FRACTION", value)
+        open_fractions.clear()
+        with torch.no_grad():
+            runs[value] = blk.run(x, fp(tol=1e-8), mask, log_temperature=tau, halt_unit=halt_unit)
+        if 0 < value < 1:  # some evaluations took each branch with frozen tokens present
+            assert any(value <= f < 1 for f in open_fractions) and any(f < value for f in open_fractions), value
+    ref = runs[math.inf]
+    assert ref.converged.all() and ref.iterations.unique().numel() > 1
+    for value, res in runs.items():
+        torch.testing.assert_close(res.output, ref.output, rtol=0, atol=1e-12, msg=lambda m: f"{value}: {m}")
+        assert torch.equal(res.iterations, ref.iterations) and torch.equal(res.converged, ref.converged), value
 
 
 def test_causal_rope_gqa_decoder_reuse():
