@@ -216,7 +216,8 @@ def fixed_point(f: Callable, z0: torch.Tensor, *, args: Sequence = (), options: 
     """Find ``z* = f(z*, *args)`` and make it differentiable with respect to everything ``f`` uses.
 
     Args:
-        f: the map, called as ``f(z, *args)``; it may close over parameters and tensors.
+        f: the map, called as ``f(z, *args)``; it may close over parameters and tensors. Samples must not interact
+            through it where ``solve`` says so (``compact``; ``picard`` with ``batch_dims=1``).
         z0: initial iterate. The first ``batch_dims`` dims index entries whose convergence is judged separately.
         args, options, row_mask, residual_fn, check, **option_changes: see ``fp_solvers.solve``; the solve options
             (``solver``, ``tol``, ``max_iter``, ...) are the fields of ``fp_solvers.SolveOptions`` (the backward calls

@@ -239,8 +239,10 @@ class Anderson(_Solver):
         diag = torch.diagonal(Hm, dim1=1, dim2=2)
         ridge = self.lam * diag.mean(1, keepdim=True) + torch.finfo(Hm.dtype).tiny
         y, info = torch.linalg.solve_ex(Hm + torch.diag_embed(ridge.expand_as(diag)), torch.ones_like(row))
-        alpha = y / y.sum(1, keepdim=True)
-        ok = (info == 0) & torch.isfinite(alpha.sum(1))  # singular system: a plain step for that entry
+        y_sum = y.sum(1, keepdim=True)
+        alpha = y / y_sum
+        # A singular system (or, at an exact fixed point, a sum of y that overflows): a plain step for that entry.
+        ok = (info == 0) & torch.isfinite(alpha.sum(1)) & torch.isfinite(y_sum[:, 0])
         last = (torch.arange(mm, device=z.device) == slot).to(alpha.dtype)
         alpha = torch.where(ok[:, None], alpha, last).to(z.dtype)[:, None, :].contiguous()  # (n, 1, mm)
         # beta * sum a_i f(z_i) + (1 - beta) * sum a_i z_i
@@ -474,7 +476,11 @@ def solve(f: Callable, z0: torch.Tensor, *, args: Sequence = (), options: Option
     """Solve ``z = f(z, *args)`` from ``z0`` without autograd; returns ``(z_star, FixedPointStats)``.
 
     Args:
-        f: the map; called as ``f(z, *args)`` with ``z`` shaped like ``z0`` (fewer rows when ``compact``).
+        f: the map; called as ``f(z, *args)`` with ``z`` shaped like ``z0`` (fewer rows when ``compact``). Samples
+            must not interact through it (row ``i`` of its output depends only on row ``i`` of ``z`` and of the
+            batch-sized ``args``, as in any batched model) when ``compact`` is on, and with ``picard`` on whole
+            samples (``batch_dims=1``), whose finished samples run on; a map with batch statistics gets results
+            that depend on the batch-mates there.
         z0: initial iterate; its first ``batch_dims`` dims index independent entries.
         args: extra inputs of ``f``; with ``compact`` their batch-sized tensors are sliced with ``z``.
         options: a ``SolveOptions`` (default: ``SolveOptions()``).
@@ -573,7 +579,7 @@ class _SolveLoop:
             fz, gz, res = evaluate()
             lo, halted, key = reduce(res, fz)
             if lo != lo:  # NaN propagates through the reduction
-                self._raise_nonfinite(res, k)
+                lo = self._nonfinite(res, key, k)
             event = (lo < tol and k >= min_iter) or halted is not None
             if event and self._settle(k, res, key, fz, halted):
                 break
@@ -662,6 +668,15 @@ class _SolveLoop:
     def _update_best(self, better, fz, res):
         self.best = torch.where(better[:, None], fz, self.best)
         self.best_res = torch.where(better, res, self.best_res)
+
+    def _nonfinite(self, res, key, k) -> float:
+        """A NaN or Inf in this step's residuals. Finished samples that run on (no freeze, see the module docstring)
+        may leave the region where they converged: they are held at their results from now on, as other solves
+        hold every finished entry, and the smallest residual of the open rows is returned. Anything else raises."""
+        if not self.freeze and self.done is not None and not bool((~torch.isfinite(res) & ~self.done).any()):
+            self.freeze = True  # (their best residuals are +inf since they finished: not compared any more)
+            return key.masked_fill(self.done, math.inf).min().item()
+        self._raise_nonfinite(res, k)
 
     def _raise_nonfinite(self, res, k):
         bad = ~torch.isfinite(res)

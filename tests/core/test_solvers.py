@@ -78,6 +78,16 @@ def test_anderson_iterates_match_the_definition(beta):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=lambda m: f"step {k + 1}: {m}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_anderson_stays_at_an_exact_fixed_point(dtype):
+    # Every residual in the history is exactly 0, so the ridge system's solution overflows; the step must fall back
+    # to a plain one (z stays at the fixed point) rather than mix with all-zero coefficients (z = 0).
+    c = torch.tensor([[2.0, -1.0, 0.5]], dtype=dtype)
+    z, st = solve(lambda z: c.expand_as(z).clone(), c.clone(), solver="anderson", solver_kwargs={"m": 5}, tol=1e-6,
+                  min_iter=8, max_iter=8, track_trace=True)
+    assert torch.equal(z, c) and float(st.trace.abs().max()) == 0.0
+
+
 def test_anderson_is_scale_invariant():
     # Scaling the state must not change the iteration count (torchdeq's absolute ridge does: 47 / 22 / 12).
     f, W, x = tanh_problem(B=4, D=16, norm=0.99, symmetric=True)
@@ -117,6 +127,23 @@ def test_picard_samples_that_run_on_after_finishing_keep_their_results(damping, 
         torch.testing.assert_close(z_all[b], z_one[0], rtol=0, atol=1e-13)
         torch.testing.assert_close(s_all.residual[b], s_one.residual[0], rtol=1e-9, atol=1e-15)
         assert int(s_all.nstep[b]) == int(s_one.nstep[0]) and bool(s_all.converged[b]) == bool(s_one.converged[0])
+
+
+@pytest.mark.parametrize("return_mode", ["best", "last"])
+def test_a_finished_sample_that_runs_on_and_overflows_is_held_not_reported(return_mode):
+    # Sample 0 finishes at step 1 near the unstable fixed point 0 of z -> 1e10 z; if it ran on, its iterates would
+    # overflow (inf, then NaN residuals) long before sample 1 finishes. It is held at its result from then on, as every
+    # finished entry used to be, so the batch gives what each sample gives alone instead of a NonFiniteError.
+    a = torch.tensor([[1e10], [0.99]], dtype=torch.float64)
+    c = torch.tensor([[0.0], [1.0]], dtype=torch.float64)
+    f = lambda z, a, c: a * z + c
+    kw = dict(solver="picard", tol=1e-2, stop_mode="abs", max_iter=600, return_mode=return_mode)
+    z0 = torch.tensor([[1e-14, 1e-14], [5.0, 5.0]], dtype=torch.float64)
+    z, st = solve(f, z0, args=(a, c), **kw)
+    assert st.converged.all() and st.nstep.tolist()[0] == 1 and st.nstep.tolist()[1] > 40
+    for b in range(2):
+        zb, sb = solve(f, z0[b:b + 1], args=(a[b:b + 1], c[b:b + 1]), **kw)
+        assert torch.equal(z[b], zb[0]) and int(st.nstep[b]) == int(sb.nstep[0])
 
 
 def test_finished_entries_that_feed_others_are_frozen():
@@ -474,9 +501,13 @@ def test_fast_path_matches_the_general_path_float64(return_mode, stop_mode, shap
         torch.testing.assert_close(s_fast.residual[open_rows], s_gen.trace[:, open_rows].min(0).values)
 
 
+@pytest.mark.parametrize("solver,at", [("picard", 4), ("anderson", 3)])
 @pytest.mark.parametrize("track_trace", [False, True])  # the fast path and the general one
 @pytest.mark.parametrize("shape", [(4, 3), (4, 1, 3)])
-def test_nan_image_of_a_finished_row_is_reported(shape, track_trace):
+def test_nan_image_of_a_finished_row_is_reported(shape, track_trace, solver, at):
+    # Anderson holds a finished row at its result, so the NaN image of that state is reported where it appears
+    # (step 3). Picard lets finished samples run on: their first non-finite value makes it hold them, and the held
+    # state's image, NaN again, is reported one step later.
     def f(z):
         out = 0.5 * z + torch.arange(1.0, 5.0).reshape(4, *[1] * (z.dim() - 1)) * torch.ones_like(z)
         f.calls += 1
@@ -486,6 +517,6 @@ def test_nan_image_of_a_finished_row_is_reported(shape, track_trace):
         return out
 
     f.calls = 0
-    with pytest.raises(NonFiniteError, match=r"iteration 3 for samples \[0\] \(of 4\)"):
-        solve(f, torch.full(shape, 2.0), solver="picard", tol=0.3, stop_mode="abs", max_iter=50,
+    with pytest.raises(NonFiniteError, match=rf"iteration {at} for samples \[0\] \(of 4\)"):
+        solve(f, torch.full(shape, 2.0), solver=solver, tol=0.3, stop_mode="abs", max_iter=50,
               track_trace=track_trace)
