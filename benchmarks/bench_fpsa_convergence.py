@@ -243,7 +243,8 @@ def vit_comparison(knobs, seed, train_xy, test_xy, collate, shape, epochs, log_e
     rows["FPSA-ViT"] = {"seconds": seconds, **profile(fpsa, test, argmax_score)}
     # FLOPs of one training step of each trained model, on the same batch: what a step costs without the per-op
     # overhead that dominates the wall time of a model this small.
-    flops = train_step_flops(fpsa, batch_fn(0)) / train_step_flops(vit, batch_fn(0))
+    batch = batch_fn(0)
+    flops = train_step_flops(fpsa, batch) / train_step_flops(vit, batch)
     rows["FPSA-ViT"]["step_flops_ratio"] = flops
     # Plain attention given the FPSA model's training time, and its training FLOPs (more epochs, same schedule shape).
     for name, ratio in (("matched time", seconds / max(vit_seconds, 1e-9)), ("matched FLOPs", flops)):

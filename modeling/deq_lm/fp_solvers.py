@@ -12,10 +12,10 @@ does not depend on how long its batch-mates take. Its state is frozen at that re
 its sample through ``f``), except with ``picard``, one entry per sample (``batch_dims=1``) and an ``f`` that is not
 told which entries are open (no ``pass_active``): there the result is already kept and a sample's later iterates
 feed only its own row (samples of a batch do not interact), so finished samples run on unchanged instead of paying
-an op on the whole state per step; a non-finite value in them is still reported. With ``compact=True`` the solver
-also drops finished *samples* from the working set, so ``f`` and the solver's own algebra run only on unfinished
-rows; this requires ``f`` to act on each sample independently (row ``i`` of its output depends only on row ``i`` of
-``z`` and of the batch-sized tensors in ``args``).
+an op on the whole state per step (one whose iterates turn non-finite is held from then on). With ``compact=True``
+the solver also drops finished *samples* from the working set, so ``f`` and the solver's own algebra run only on
+unfinished rows; this requires ``f`` to act on each sample independently (row ``i`` of its output depends only on row
+``i`` of ``z`` and of the batch-sized tensors in ``args``).
 
 Each solver is a small class registered in ``SOLVERS``: ``step(z, fz, gz, k)`` returns the next iterate from the
 current one, its image ``fz = f(z)`` and the residual ``gz = fz - z``; the per-entry state it keeps is a dict of
