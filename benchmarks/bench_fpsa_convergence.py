@@ -4,6 +4,7 @@
     python -m benchmarks.bench_fpsa_convergence --tasks rid --seeds 0 1 2     # ~6.5 min a seed on one CPU core
     python -m benchmarks.bench_fpsa_convergence --tasks vit --set fpsa_jac_weight=0 --set fp_backward=bptt
     python -m benchmarks.bench_fpsa_convergence --tasks glue --checkpoint runs/fpsa_sst2   # a fpsa_glue export
+    python -m benchmarks.bench_fpsa_convergence --tasks vit --device cuda     # train and time on a GPU
 
 Every model is evaluated on held-out data the way the FPSA paper reports convergence: at ``fp_tol=1e-4`` with a cap
 of ``fp_max_iter=100`` (median / p90 / p99 iterations per (layer, token, head) and the cap-hit rate), and its accuracy
@@ -59,15 +60,28 @@ def parse_set(items):
     return out
 
 
+def on_device(model, batch):
+    """``batch`` with its tensors on ``model``'s device (the data stay on the CPU between steps)."""
+    device = next(model.parameters()).device
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def synchronize(model):
+    """Wait for ``model``'s device, so that a wall-clock reading after it counts the work queued before it."""
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def run_eval(model, batches, overrides, score):
     """Accuracy and merged ``FPSAStats`` of ``model`` on ``batches`` with per-call ``overrides``."""
     model.eval()
     correct, total, stats = 0, 0, []
     with torch.no_grad():
         for batch in batches:
+            batch = on_device(model, batch)
             labels = batch.pop("labels")
             out = model(**batch, fp_overrides=overrides)
-            batch["labels"] = labels
             c, n = score(out, labels)
             correct, total = correct + c, total + n
             stats.append(out.fp_stats)
@@ -106,9 +120,10 @@ def fit(model, batch_fn, steps, lr, weight_decay=0.01, warmup_ratio=0.1, max_gra
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=int(warmup_ratio * steps),
                               num_training_steps=steps)
     model.train()
+    synchronize(model)
     t0, log = time.time(), {}
     for step in range(1, steps + 1):
-        out = model(**batch_fn(step))
+        out = model(**on_device(model, batch_fn(step)))
         out.loss.backward()
         if max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
@@ -118,6 +133,7 @@ def fit(model, batch_fn, steps, lr, weight_decay=0.01, warmup_ratio=0.1, max_gra
         if log_every and (step % log_every == 0 or step == steps):
             log = {"step": step, "loss": out.loss.item(), **out.fp_stats.summary()}
             print("   ", " ".join(f"{k} {v:.4g}" for k, v in log.items()), flush=True)
+    synchronize(model)
     return time.time() - t0, log
 
 
@@ -136,7 +152,7 @@ def rid_models(knobs, args, seed):
                                 max_position_embeddings=args.rid_max_distractors + 8, hidden_dropout_prob=0.0,
                                 attention_probs_dropout_prob=0.0, pad_token_id=0, fp_max_iter=max_iter, **extra)
         torch.manual_seed(seed)
-        return FPSABertForMaskedLM(config)
+        return FPSABertForMaskedLM(config).to(args.device)
 
     return {"TF-1L": build(1, {}), "FPSA-1L": build(knobs.pop("fp_max_iter", 16), knobs)}
 
@@ -179,13 +195,13 @@ def run_vit(knobs, args, seed):
     (x_train, y_train), (x_test, y_test) = load_digits_split(0.2, 0)
     collate = image_collate(8, 1)
     if args.checkpoint:  # an export of recipes/fpsa_vit.py (its default split: seed 0), fed as the recipe feeds it
-        model = FPSAViTForImageClassification.from_pretrained(args.checkpoint)
+        model = FPSAViTForImageClassification.from_pretrained(args.checkpoint).to(args.device)
         collate = image_collate(model.config.image_size, model.config.num_channels)
         test = [collate(list(zip(x_test[i:i + 128], y_test[i:i + 128]))) for i in range(0, len(x_test), 128)]
         return {"FPSA-ViT (recipe export)": profile(model, test, argmax_score)}
     shape = dict(image_size=8, patch_size=2, num_channels=1)
     return vit_comparison(knobs, seed, (x_train, y_train), (x_test, y_test), collate, shape, args.vit_epochs,
-                          args.log_every)
+                          args.log_every, args.device)
 
 
 def load_cifar10_test_images(path, n_test, seed):
@@ -223,10 +239,10 @@ def run_cifar(knobs, args, seed):
 
     shape = dict(image_size=32, patch_size=4, num_channels=3)
     return vit_comparison(knobs, seed, (x_train, y_train), (x_test, y_test), collate, shape, args.cifar_epochs,
-                          args.log_every)
+                          args.log_every, args.device)
 
 
-def vit_comparison(knobs, seed, train_xy, test_xy, collate, shape, epochs, log_every):
+def vit_comparison(knobs, seed, train_xy, test_xy, collate, shape, epochs, log_every, device="cpu"):
     """FPSA-ViT against the same model with plain attention (``fp_max_iter=1``) at matched parameters and steps, and
     at matched training time (more steps, same schedule shape), with the recipe's model and optimiser."""
     (x_train, y_train), (x_test, y_test) = train_xy, test_xy
@@ -234,8 +250,10 @@ def vit_comparison(knobs, seed, train_xy, test_xy, collate, shape, epochs, log_e
     steps = int(epochs * math.ceil(len(x_train) / 64))
 
     def train(extra, n_steps):
-        return train_vit(extra, seed, (x_train, y_train), collate, shape, n_steps, log_every)
+        return train_vit(extra, seed, (x_train, y_train), collate, shape, n_steps, log_every, device)
 
+    for extra in ({"fp_max_iter": 1}, knobs):  # warm-up (lazy initialisation, CUDA context and kernels), not timed
+        train(extra, 3)
     rows = {}
     vit, vit_seconds, _ = train({"fp_max_iter": 1}, steps)
     rows["ViT"] = {"seconds": vit_seconds, "accuracy": run_eval(vit, test, ONE_STEP, argmax_score)[0]}
@@ -255,7 +273,7 @@ def vit_comparison(knobs, seed, train_xy, test_xy, collate, shape, epochs, log_e
     return rows
 
 
-def train_vit(extra, seed, train_xy, collate, shape, n_steps, log_every=0):
+def train_vit(extra, seed, train_xy, collate, shape, n_steps, log_every=0, device="cpu"):
     """The benchmark's FPSA-ViT (config changes ``extra``, image ``shape``) trained ``n_steps`` with the recipe's
     optimiser on shuffled batches of 64: ``(model, seconds, batch_fn)``, ``batch_fn`` going on with the shuffle."""
     from hf_fixedpoint.modeling.fpsa_vit import FPSAViTConfig, FPSAViTForImageClassification
@@ -264,7 +282,7 @@ def train_vit(extra, seed, train_xy, collate, shape, n_steps, log_every=0):
     config = FPSAViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
                            num_labels=10, **shape, **extra)
     torch.manual_seed(seed)
-    model = FPSAViTForImageClassification(config)
+    model = FPSAViTForImageClassification(config).to(device)
     g = torch.Generator().manual_seed(seed)
     order = []
 
@@ -285,7 +303,7 @@ def train_step_flops(model, batch) -> int:
 
     model.train()
     with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
-        model(**batch).loss.backward()
+        model(**on_device(model, batch)).loss.backward()
     model.zero_grad(set_to_none=True)
     return counter.get_total_flops()
 
@@ -297,7 +315,7 @@ def run_glue(args):
 
     from hf_fixedpoint.modeling.fpsa_bert import FPSABertForSequenceClassification
 
-    model = FPSABertForSequenceClassification.from_pretrained(args.checkpoint)
+    model = FPSABertForSequenceClassification.from_pretrained(args.checkpoint).to(args.device)
     tok = AutoTokenizer.from_pretrained(args.checkpoint)
     data = load_dataset("json", data_files=args.glue_file, split="train")
     batches = []
@@ -310,9 +328,9 @@ def run_glue(args):
     model.eval()
     with torch.no_grad():
         for b in batches:
-            labels = b.pop("labels")
+            b = on_device(model, b)
+            b.pop("labels")
             out = model(**b, fp_overrides=PROFILE)
-            b["labels"] = labels
             its = out.fp_stats.iterations.float()  # (L, B, T, H)
             mask = b["attention_mask"].bool()
             for j in range(mask.shape[0]):
@@ -357,6 +375,18 @@ def print_table(results) -> None:
                   f"{units or '-'} |")
 
 
+def check_device(name):
+    """``--device`` must name a torch device this machine has."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"--device {name!r} is not a torch device (e.g. cpu, cuda, cuda:1): {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name!r}: torch {torch.__version__} sees no CUDA device here; use --device cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name!r}: this benchmark runs on cpu or cuda, got device type {device.type!r}")
+
+
 def fmt(v):
     return f"{v:.3f}" if isinstance(v, float) else str(v)
 
@@ -379,7 +409,9 @@ def main(argv=None):
     p.add_argument("--glue_file", default="recipes/data/glue_sst2_tiny/validation.jsonl")
     p.add_argument("--log_every", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results to this file")
+    p.add_argument("--device", default="cpu", help="train and evaluate on this torch device (cpu, cuda, cuda:1, ...)")
     args = p.parse_args(argv)
+    check_device(args.device)
     knobs = parse_set(args.set)
     results = {}
     for task in args.tasks:

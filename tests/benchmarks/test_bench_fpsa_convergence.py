@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from benchmarks.bench_fpsa_convergence import main, meets_target, parse_set, profile
@@ -140,3 +141,13 @@ def test_vit_profile_of_a_recipe_export_fed_with_its_channels(tmp_path):
                                                 num_labels=10)).save_pretrained(tmp_path / "vit")
     row = main(["--tasks", "vit", "--checkpoint", str(tmp_path / "vit")])["vit/seed0"]["FPSA-ViT (recipe export)"]
     assert 1 <= row["median"] <= row["p90"] <= 100 and 0.0 <= row["accuracy"] <= 1.0
+
+
+def test_device_flag_is_checked_before_any_work():
+    with pytest.raises(ValueError, match="--device 'tpu' is not a torch device"):
+        main(["--tasks", "vit", "--device", "tpu"])
+    with pytest.raises(ValueError, match="--device 'meta': this benchmark runs on cpu or cuda"):
+        main(["--tasks", "vit", "--device", "meta"])
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="sees no CUDA device here"):
+            main(["--tasks", "vit", "--device", "cuda"])
