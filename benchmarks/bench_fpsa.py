@@ -122,6 +122,25 @@ def flops(model, batch, **kw):
     return counter.get_total_flops()
 
 
+def time_interleaved(runs, repeats, device):
+    """Wall and process CPU seconds of each no-grad call in ``runs`` (name -> callable), after one warm-up call each,
+    ``repeats`` rounds interleaved across the calls; on CUDA every timed call is bracketed by a synchronisation."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    times, cpu = {name: [] for name in runs}, {name: [] for name in runs}
+    with torch.no_grad():
+        for fn in runs.values():
+            fn()
+        for _ in range(repeats):
+            for name, fn in runs.items():
+                sync()
+                t0, c0 = time.perf_counter(), time.process_time()
+                fn()
+                sync()
+                times[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
+    return times, cpu
+
+
 def compute(path, tok, repeats, batch_size, checkpoint=None, device="cpu"):
     from transformers import BertModel
 
@@ -165,20 +184,8 @@ def compute(path, tok, repeats, batch_size, checkpoint=None, device="cpu"):
 
     for name, over in configs.items():
         runs[name] = (lambda o, n: lambda: call(models[unit_of(n)], o, n))(over, name)
-    times = {name: [] for name in runs}
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    cpu = {name: [] for name in runs}
+    times, cpu = time_interleaved(runs, repeats, device)
     with torch.no_grad():
-        for fn in runs.values():  # warm-up
-            fn()
-        for _ in range(repeats):
-            for name, fn in runs.items():
-                sync()
-                t0, c0 = time.perf_counter(), time.process_time()
-                fn()
-                sync()
-                times[name].append(time.perf_counter() - t0)
-                cpu[name].append(time.process_time() - c0)
         base_flops = flops(base_eager, batch)
         stats = {name: call(models[unit_of(name)], o, name).fp_stats for name, o in configs.items()}
         cfg_flops = {}
