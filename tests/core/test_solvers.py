@@ -88,6 +88,32 @@ def test_anderson_stays_at_an_exact_fixed_point(dtype):
     assert torch.equal(z, c) and float(st.trace.abs().max()) == 0.0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_anderson_falls_back_to_a_plain_step_per_row(dtype):
+    # Row 0 sits at an exact fixed point (its residuals are 0: no valid mixing once its ridge system overflows),
+    # row 1 iterates: row 0 stays exactly where it is while row 1 follows Anderson's definition, step by step, as
+    # the history fills up and wraps around.
+    f, W, x = tanh_problem(B=1, D=6, norm=0.99, symmetric=True, inj=0.1)
+    c = torch.tensor([[2.0, -1.0, 0.5, 0.25, 1.5, -0.75]], dtype=torch.float64)
+
+    def fx(z):
+        return torch.cat([c.to(z.dtype), f(z[1:].double(), x.detach()).to(z.dtype)])
+
+    algo = SOLVERS.get("anderson")(m=5)  # row 0's ridge system overflows once 5 residuals are in its history
+    z = torch.cat([c, torch.zeros(1, 6, dtype=torch.float64)]).to(dtype)
+    algo.init(z)
+    ours = []
+    for k in range(1, 11):
+        fz = fx(z)
+        z = algo.step(z, fz, fz - z, k)
+        assert torch.equal(z[0], c[0].to(dtype)), f"step {k}: {z[0]}"
+        ours.append(z[1:])
+    ref = reference_anderson(lambda z: f(z, x.detach()), torch.zeros(1, 6, dtype=torch.float64), 10, 5, 1.0, 1e-8)
+    for k, (a, b) in enumerate(zip(ours, ref)):
+        torch.testing.assert_close(a.double(), b, rtol=0, atol=1e-12 if dtype == torch.float64 else 1e-5,
+                                   msg=lambda m: f"step {k + 1}: {m}")
+
+
 def test_anderson_is_scale_invariant():
     # Scaling the state must not change the iteration count (torchdeq's absolute ridge does: 47 / 22 / 12).
     f, W, x = tanh_problem(B=4, D=16, norm=0.99, symmetric=True)
