@@ -5,6 +5,7 @@
     python -m benchmarks.bench_fpsa_convergence --tasks vit --set fpsa_jac_weight=0 --set fp_backward=bptt
     python -m benchmarks.bench_fpsa_convergence --tasks glue --checkpoint runs/fpsa_sst2   # a fpsa_glue export
     python -m benchmarks.bench_fpsa_convergence --tasks vit --device cuda     # train and time on a GPU
+    python -m benchmarks.bench_fpsa_convergence --tasks vit --inference       # + early-stopping settings at inference
 
 Every model is evaluated on held-out data the way the FPSA paper reports convergence: at ``fp_tol=1e-4`` with a cap
 of ``fp_max_iter=100`` (median / p90 / p99 iterations per (layer, token, head) and the cap-hit rate), and its accuracy
@@ -88,9 +89,10 @@ def run_eval(model, batches, overrides, score):
     return correct / max(total, 1), FPSAStats.merge(stats)
 
 
-def profile(model, batches, score):
+def profile(model, batches, score, inference=False):
     """The convergence profile at the paper's setting with the model's ``fpsa_halt_unit`` (and, under ``by_unit``,
-    with every halting unit), and accuracy at the trained cap and at one step."""
+    with every halting unit), and accuracy at the trained cap and at one step; with ``inference``, also the per-call
+    settings of ``INFERENCE_SETTINGS`` (``inference_settings``)."""
     acc, stats = run_eval(model, batches, PROFILE, score)
     trained_acc, trained_stats = run_eval(model, batches, None, score)
     one_acc, _ = run_eval(model, batches, ONE_STEP, score)
@@ -111,7 +113,43 @@ def profile(model, batches, score):
                                      "cap_hit": o["fpsa_cap_hit_rate"]}
     finally:
         model.config.fpsa_halt_unit = unit
+    if inference:
+        row["inference"] = inference_settings(model, batches, score)
     return row
+
+
+# Per-call settings that stop a trained model's solve earlier at inference (the trained settings first).
+INFERENCE_SETTINGS = {"trained": None, "fp_stop_fraction=0.1": {"fp_stop_fraction": 0.1},
+                      "fp_stop_fraction=0.2": {"fp_stop_fraction": 0.2}, "fp_max_iter=4": {"fp_max_iter": 4},
+                      "fp_max_iter=1": ONE_STEP}
+
+
+def inference_settings(model, batches, score, repeats=5):
+    """Accuracy, converged fraction, mean iterations and no-grad time of ``model`` on ``batches`` under each of
+    ``INFERENCE_SETTINGS``: process CPU time (min of ``repeats``, the settings interleaved) on a CPU, wall time with a
+    device synchronisation on a GPU, as a ratio to the trained settings."""
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    clock = time.process_time if on_cpu else time.perf_counter
+    moved = [on_device(model, b) for b in batches]
+    inputs = [{k: v for k, v in b.items() if k != "labels"} for b in moved]
+    times = {name: [] for name in INFERENCE_SETTINGS}
+    model.eval()
+    with torch.no_grad():
+        for _ in range(repeats + 1):  # the first round warms up
+            for name, over in INFERENCE_SETTINGS.items():
+                synchronize(model)
+                t0 = clock()
+                for b in inputs:
+                    model(**b, fp_overrides=over)
+                synchronize(model)
+                times[name].append(clock() - t0)
+    out = {}
+    for name, over in INFERENCE_SETTINGS.items():
+        acc, stats = run_eval(model, batches, over, score)
+        s = stats.summary()
+        out[name] = {"accuracy": acc, "converged": s["fpsa_converged_fraction"], "mean": s["fpsa_iter_mean"],
+                     "time_ratio": min(times[name][1:]) / min(times["trained"][1:])}
+    return out
 
 
 def fit(model, batch_fn, steps, lr, weight_decay=0.01, warmup_ratio=0.1, max_grad_norm=1.0, log_every=0):
@@ -178,7 +216,7 @@ def run_rid(knobs, args, seed):
         k_top = args.rid_max_distractors
         tests = {k: [dict(zip(("input_ids", "labels"), rid_batch(500, k, args.rid_symbols, test_g)))]
                  for k in sorted({0, k_top // 4, k_top // 2, k_top})}
-        row = {"seconds": seconds, **profile(model, tests[k_top], score)} if name != "TF-1L" else {
+        row = {"seconds": seconds, **profile(model, tests[k_top], score, args.inference)} if name != "TF-1L" else {
             "seconds": seconds, "accuracy": run_eval(model, tests[k_top], ONE_STEP, score)[0]}
         if name != "TF-1L":  # difficulty: iterations against the number of distractors
             row["by_K"] = {k: run_eval(model, b, PROFILE, score)[1].summary()["fpsa_iter_mean"]
@@ -198,10 +236,10 @@ def run_vit(knobs, args, seed):
         model = FPSAViTForImageClassification.from_pretrained(args.checkpoint).to(args.device)
         collate = image_collate(model.config.image_size, model.config.num_channels)
         test = [collate(list(zip(x_test[i:i + 128], y_test[i:i + 128]))) for i in range(0, len(x_test), 128)]
-        return {"FPSA-ViT (recipe export)": profile(model, test, argmax_score)}
+        return {"FPSA-ViT (recipe export)": profile(model, test, argmax_score, args.inference)}
     shape = dict(image_size=8, patch_size=2, num_channels=1)
     return vit_comparison(knobs, seed, (x_train, y_train), (x_test, y_test), collate, shape, args.vit_epochs,
-                          args.log_every, args.device)
+                          args.log_every, args.device, args.inference)
 
 
 def load_cifar10_test_images(path, n_test, seed):
@@ -239,10 +277,11 @@ def run_cifar(knobs, args, seed):
 
     shape = dict(image_size=32, patch_size=4, num_channels=3)
     return vit_comparison(knobs, seed, (x_train, y_train), (x_test, y_test), collate, shape, args.cifar_epochs,
-                          args.log_every, args.device)
+                          args.log_every, args.device, args.inference)
 
 
-def vit_comparison(knobs, seed, train_xy, test_xy, collate, shape, epochs, log_every, device="cpu"):
+def vit_comparison(knobs, seed, train_xy, test_xy, collate, shape, epochs, log_every, device="cpu",
+                   inference=False):
     """FPSA-ViT against the same model with plain attention (``fp_max_iter=1``) at matched parameters and steps, and
     at matched training time (more steps, same schedule shape), with the recipe's model and optimiser."""
     (x_train, y_train), (x_test, y_test) = train_xy, test_xy
@@ -258,7 +297,7 @@ def vit_comparison(knobs, seed, train_xy, test_xy, collate, shape, epochs, log_e
     vit, vit_seconds, _ = train({"fp_max_iter": 1}, steps)
     rows["ViT"] = {"seconds": vit_seconds, "accuracy": run_eval(vit, test, ONE_STEP, argmax_score)[0]}
     fpsa, seconds, batch_fn = train(knobs, steps)
-    rows["FPSA-ViT"] = {"seconds": seconds, **profile(fpsa, test, argmax_score)}
+    rows["FPSA-ViT"] = {"seconds": seconds, **profile(fpsa, test, argmax_score, inference)}
     # FLOPs of one training step of each trained model, on the same batch: what a step costs without the per-op
     # overhead that dominates the wall time of a model this small.
     batch = batch_fn(0)
@@ -323,7 +362,7 @@ def run_glue(args):
         rows = data[i:i + 32]
         enc = tok(rows["sentence"], padding=True, truncation=True, max_length=128, return_tensors="pt")
         batches.append({**enc, "labels": torch.tensor(rows["label"])})
-    row = profile(model, batches, argmax_score)
+    row = profile(model, batches, argmax_score, args.inference)
     by_len = {}
     model.eval()
     with torch.no_grad():
@@ -387,6 +426,18 @@ def check_device(name):
         raise ValueError(f"--device {name!r}: this benchmark runs on cpu or cuda, got device type {device.type!r}")
 
 
+def print_inference_table(results) -> None:
+    """One markdown row per FPSA model and inference setting: accuracy, converged fraction, mean iterations and the
+    no-grad time as a ratio to the trained settings."""
+    print("\n| run | model | setting | accuracy | converged | mean iterations | time x trained settings |")
+    print("|---|---|---|---|---|---|---|")
+    for run, rows in results.items():
+        for name, r in rows.items():
+            for setting, v in r.get("inference", {}).items():
+                print(f"| {run} | {name} | {setting} | {v['accuracy']:.3f} | {v['converged']:.3f} | {v['mean']:.2f} | "
+                      f"{v['time_ratio']:.2f} |")
+
+
 def fmt(v):
     return f"{v:.3f}" if isinstance(v, float) else str(v)
 
@@ -410,6 +461,8 @@ def main(argv=None):
     p.add_argument("--log_every", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results to this file")
     p.add_argument("--device", default="cpu", help="train and evaluate on this torch device (cpu, cuda, cuda:1, ...)")
+    p.add_argument("--inference", action="store_true", help="also time the FPSA models' early-stopping settings at "
+                                                            "inference (INFERENCE_SETTINGS) and print their table")
     args = p.parse_args(argv)
     check_device(args.device)
     knobs = parse_set(args.set)
@@ -426,6 +479,8 @@ def main(argv=None):
             for name, row in rows.items():
                 print(f"{task} seed {seed} {name}: " + " ".join(f"{k} {fmt(v)}" for k, v in row.items()), flush=True)
     print_table(results)
+    if args.inference:
+        print_inference_table(results)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"knobs": knobs, "results": results}, fh, indent=1)

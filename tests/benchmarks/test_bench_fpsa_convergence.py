@@ -151,3 +151,14 @@ def test_device_flag_is_checked_before_any_work():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="sees no CUDA device here"):
             main(["--tasks", "vit", "--device", "cuda"])
+
+
+def test_inference_settings_table(capsys):
+    rows = main(["--tasks", "vit", "--vit_epochs", "0.1", "--inference"])["vit/seed0"]
+    inf = rows["FPSA-ViT"]["inference"]
+    assert list(inf) == ["trained", "fp_stop_fraction=0.1", "fp_stop_fraction=0.2", "fp_max_iter=4", "fp_max_iter=1"]
+    assert inf["trained"]["time_ratio"] == 1.0 and inf["fp_max_iter=1"]["mean"] == 1.0
+    assert inf["trained"]["accuracy"] == rows["FPSA-ViT"]["accuracy_trained_cap"]
+    assert inf["fp_max_iter=1"]["accuracy"] == rows["FPSA-ViT"]["accuracy_one_step"]
+    assert all(1.0 <= v["mean"] <= 16 and 0.0 <= v["converged"] <= 1.0 and v["time_ratio"] > 0 for v in inf.values())
+    assert "| vit/seed0 | FPSA-ViT | fp_stop_fraction=0.1 |" in capsys.readouterr().out
