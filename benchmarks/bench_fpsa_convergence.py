@@ -63,15 +63,32 @@ def parse_set(items):
 
 def on_device(model, batch):
     """``batch`` with its tensors on ``model``'s device (the data stay on the CPU between steps)."""
-    device = next(model.parameters()).device
-    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+    return {k: v.to(model.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
-def synchronize(model):
-    """Wait for ``model``'s device, so that a wall-clock reading after it counts the work queued before it."""
-    device = next(model.parameters()).device
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def device_sync(device):
+    """A callable that waits for the work queued on ``device`` (a no-op on the CPU), so that a clock read after it
+    counts that work."""
+    return torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+
+
+def time_interleaved(runs, repeats, device):
+    """Wall and process CPU seconds of each no-grad call in ``runs`` (name -> callable), after one warm-up call each,
+    ``repeats`` rounds interleaved across the calls; on CUDA every timed call is bracketed by a synchronisation."""
+    sync = device_sync(device)
+    times, cpu = {name: [] for name in runs}, {name: [] for name in runs}
+    with torch.no_grad():
+        for fn in runs.values():
+            fn()
+        for _ in range(repeats):
+            for name, fn in runs.items():
+                sync()
+                t0, c0 = time.perf_counter(), time.process_time()
+                fn()
+                sync()
+                times[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
+    return times, cpu
 
 
 def run_eval(model, batches, overrides, score):
@@ -128,27 +145,18 @@ def inference_settings(model, batches, score, repeats=5):
     """Accuracy, converged fraction, mean iterations and no-grad time of ``model`` on ``batches`` under each of
     ``INFERENCE_SETTINGS``: process CPU time (min of ``repeats``, the settings interleaved) on a CPU, wall time with a
     device synchronisation on a GPU, as a ratio to the trained settings."""
-    on_cpu = next(model.parameters()).device.type == "cpu"
-    clock = time.process_time if on_cpu else time.perf_counter
-    moved = [on_device(model, b) for b in batches]
-    inputs = [{k: v for k, v in b.items() if k != "labels"} for b in moved]
-    times = {name: [] for name in INFERENCE_SETTINGS}
+    inputs = [{k: v for k, v in on_device(model, b).items() if k != "labels"} for b in batches]
+    runs = {name: (lambda o: lambda: [model(**b, fp_overrides=o) for b in inputs])(over)
+            for name, over in INFERENCE_SETTINGS.items()}
     model.eval()
-    with torch.no_grad():
-        for _ in range(repeats + 1):  # the first round warms up
-            for name, over in INFERENCE_SETTINGS.items():
-                synchronize(model)
-                t0 = clock()
-                for b in inputs:
-                    model(**b, fp_overrides=over)
-                synchronize(model)
-                times[name].append(clock() - t0)
+    wall, cpu = time_interleaved(runs, repeats, model.device)
+    times = cpu if model.device.type == "cpu" else wall
     out = {}
     for name, over in INFERENCE_SETTINGS.items():
         acc, stats = run_eval(model, batches, over, score)
         s = stats.summary()
         out[name] = {"accuracy": acc, "converged": s["fpsa_converged_fraction"], "mean": s["fpsa_iter_mean"],
-                     "time_ratio": min(times[name][1:]) / min(times["trained"][1:])}
+                     "time_ratio": min(times[name]) / min(times["trained"])}
     return out
 
 
@@ -158,7 +166,8 @@ def fit(model, batch_fn, steps, lr, weight_decay=0.01, warmup_ratio=0.1, max_gra
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=int(warmup_ratio * steps),
                               num_training_steps=steps)
     model.train()
-    synchronize(model)
+    sync = device_sync(model.device)
+    sync()
     t0, log = time.time(), {}
     for step in range(1, steps + 1):
         out = model(**on_device(model, batch_fn(step)))
@@ -171,7 +180,7 @@ def fit(model, batch_fn, steps, lr, weight_decay=0.01, warmup_ratio=0.1, max_gra
         if log_every and (step % log_every == 0 or step == steps):
             log = {"step": step, "loss": out.loss.item(), **out.fp_stats.summary()}
             print("   ", " ".join(f"{k} {v:.4g}" for k, v in log.items()), flush=True)
-    synchronize(model)
+    sync()
     return time.time() - t0, log
 
 

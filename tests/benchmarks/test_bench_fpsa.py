@@ -38,3 +38,5 @@ def test_device_is_checked(tiny_bert):
         main(["--model", tiny_bert, "--device", "tpu"])
     with pytest.raises(ValueError, match="--device 'meta': this benchmark runs on cpu or cuda"):
         main(["--model", tiny_bert, "--profile", "--device", "meta"])
+    with pytest.raises(SystemExit):  # argparse: --profile and --dispatch each run instead of (a) and (b)
+        main(["--model", tiny_bert, "--profile", "--dispatch"])
