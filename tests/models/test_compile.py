@@ -61,3 +61,40 @@ def test_training_step_compiles_as_one_graph(backward):
         grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
     assert len(grads[0]) == len(grads[1]) > 0
     assert max((a - b).abs().max().item() for a, b in zip(*grads)) <= 1e-5
+
+
+@pytest.mark.parametrize("name,cache_kind", [("attractor_lm", "dynamic"), ("attractor_lm", "static"),
+                                             ("self_llama", "dynamic"), ("self_llama", "static"),
+                                             ("self_mistral", "dynamic")])
+def test_cached_decode_step_compiles_as_one_graph(name, cache_kind):
+    import copy
+
+    from transformers import DynamicCache, StaticCache
+
+    model, inputs = build(name)
+    ids = inputs["input_ids"][:, :5]
+    kw = knobs(name)
+    cache = StaticCache(config=model.config, max_cache_len=12) if cache_kind == "static" else DynamicCache(
+        config=model.config)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        prefill = model(input_ids=ids, past_key_values=cache, use_cache=True, **kw)
+        token = prefill.logits[:, -1:].argmax(-1)
+        step = dict(input_ids=token, use_cache=True, cache_position=torch.tensor([ids.shape[1]]), **kw)
+        graph_cache = copy.deepcopy(prefill.past_key_values)
+        eager = model(past_key_values=prefill.past_key_values, **step).logits
+        graph = torch.compile(model, fullgraph=True, backend="eager")(past_key_values=graph_cache, **step).logits
+    assert (eager - graph).abs().max() <= 1e-5
+
+
+def test_self_static_cache_gives_the_dynamic_cache_tokens():
+    model, inputs = build("self_llama")
+    ids = inputs["input_ids"][:, :4]
+    kw = dict(max_new_tokens=6, do_sample=False, fp_overrides={"fp_check_every": 0})
+    dynamic = model.generate(ids, **kw)
+    static = model.generate(ids, cache_implementation="static", **kw)
+    assert torch.equal(dynamic, static)
+    mistral, inputs = build("self_mistral")  # its tiny config has a sliding window: a static layer would roll it
+    assert mistral.config.sliding_window is not None
+    with pytest.raises(ValueError, match="StaticCache without sliding-window layers"):
+        mistral.generate(inputs["input_ids"][:, :4], cache_implementation="static", max_new_tokens=2)
