@@ -96,18 +96,21 @@ class FPOpt(_Solver):
         decay: multiplicative decay in (0, 1) (FPRM: 0.9 in training, 0.99 at evaluation).
         min_step: entries halt once their step size is below this (>= 0).
         threshold: no decay while the residual is below this (>= 0; FPRM: its ``fp_thresh``, 0.1).
+        improve_margin: a residual counts as a new lowest only when ``res < best - improve_margin`` (>= 0; 0: any
+            decrease; the FPRM research code at commit 9e0ebf35 uses 0.01, so a slow drift loses patience).
     """
 
     def __init__(self, step_size: float = 1.0, patience: int = 5, decay: float = 0.9, min_step: float = 1e-3,
-                 threshold: float = 0.0):
+                 threshold: float = 0.0, improve_margin: float = 0.0):
         super().__init__()
         check_number(step_size, "step_size", low=0.0, high=1.0, low_open=True)
         check_number(patience, "patience", low=1, integer=True)
         check_number(decay, "decay", low=0.0, high=1.0, low_open=True, high_open=True)
         check_number(min_step, "min_step", low=0.0)
         check_number(threshold, "threshold", low=0.0)
+        check_number(improve_margin, "improve_margin", low=0.0)
         self.step_size, self.patience, self.decay, self.min_step = float(step_size), patience, float(decay), min_step
-        self.threshold = float(threshold)
+        self.threshold, self.improve_margin = float(threshold), float(improve_margin)
         self._res = None
 
     def init(self, z):
@@ -127,7 +130,7 @@ class FPOpt(_Solver):
         out = z + st["s"] * gz
         res, self._res = self._res, None
         if res is not None:
-            improved = res < st["best"]
+            improved = res < (st["best"] - self.improve_margin if self.improve_margin else st["best"])
             st["best"] = torch.where(improved, res, st["best"])
             patience = torch.where(improved, self.patience, st["patience"] - 1)
             decay = (patience <= 0) & (res >= self.threshold)
