@@ -58,10 +58,70 @@ def _check_lm_eval_models(ns):
     assert ns["ours"].model.config.total_ut_steps == 4
 
 
-# doc -> [(a string that identifies the block, a check of the variables the block leaves)]
+# doc -> [(a string that identifies the block, a check: a function of the variables the block leaves, or an
+# expression evaluated among them)]
 CHECKS = {
     "README.md": [("total_ut_steps=loops", _check_quick_start)],
-    "docs/index.md": [("fp_eval_max_iter=60", _check_deq_knobs), ('get_model("hf-fixedpoint")', _check_lm_eval_models)],
+    "docs/index.md": [("fp_eval_max_iter=60", _check_deq_knobs),
+                      ('get_model("hf-fixedpoint")', _check_lm_eval_models)],
+    "docs/attractor_lm.md": [
+        ('print(t0.fp_stats, capped.fp_stats.nfe)',
+         't0.fp_stats is None and capped.fp_stats.nfe <= 2'),
+        ('print(model.config.fp_max_iter)',
+         'model.config.fp_max_iter == 12'),
+    ],
+    "docs/fpsa.md": [
+        ('print(more.fp_stats.nfe, model.config.fp_max_iter)',
+         'more.fp_stats.nfe <= 32 and model.config.fp_max_iter == 8'),
+        ('print(torch.equal(fpsa(ids).logits, bert(ids).logits))',
+         'torch.equal(fpsa(ids).logits, bert(ids).logits)'),
+    ],
+    "docs/fpsa_recipes.md": [
+        ('print(result["exact"], result["HasAns_total"], result["NoAns',
+         'result["exact"] == 100.0 and result["HasAns_total"] == 1 and result["NoAns_total"] == 1'),
+        ('print(ids[0, where + 1] == value, ids.shape)',
+         'ids[0, where + 1] == value and ids.shape == (2, 5 + 3)'),
+    ],
+    "docs/ouro_stars.md": [
+        ('print(out.exit_pdf.sum(-1))',
+         'torch.allclose(out.exit_pdf.sum(-1), torch.ones(2, 6))'),
+        ('print(len(model(ids, total_ut_steps=5).loop_hidden_states))',
+         'len(model(ids, total_ut_steps=5).loop_hidden_states) == 5'),
+        ('print(torch.equal(cached, model.generate(ids, use_cache=Fals',
+         'torch.equal(cached, model.generate(ids, use_cache=False, **kw))'),
+        ('print(est.sqrt().item())',
+         'abs(est.sqrt().item() - 0.9) < 1e-6'),
+        ('compute_sweep(model, settings',
+         'rows[0]["mean_loops"] == 3.0 and 1.0 <= rows[1]["mean_loops"] <= 3.0'),
+    ],
+    "docs/puzzles.md": [
+        ('print(easy.count(0))',
+         'easy.count(0) == 20'),
+        ('print(count, solved == solution, backtracks == difficulty)',
+         'count == 1 and solved == solution and backtracks == difficulty'),
+        ('print((t.inverse().apply(t.apply(puzzle)) == np.array(puzzle',
+         '(t.inverse().apply(t.apply(puzzle)) == np.array(puzzle)).all()'),
+        ('print(back["inputs"] == ds["inputs"] and back["labels"] == d',
+         'back["inputs"] == ds["inputs"] and back["labels"] == ds["labels"]'),
+    ],
+    "docs/recipes.md": [
+        ('print(args.seed, args.to_dict()["hub_token"])',
+         'isinstance(args, RecipeArgs) and args.seed == 0 and args.to_dict()["hub_token"] == "<HUB_TOKEN>"'),
+    ],
+    "docs/self_llama.md": [
+        ('print(torch.equal(model(ids, attention_mask=mask).logits, ll',
+         'torch.equal(model(ids, attention_mask=mask).logits, llama(ids, attention_mask=mask).logits)'),
+        ('print([s.iterations.shape[2] for s in log])',
+         'all(s.iterations.shape[2] == 1 for s in log[1:])'),
+    ],
+    "docs/self_lora.md": [
+        ('print(final_answer(example["answer"]))',
+         'final_answer(example["answer"]) == "4"'),
+        ('print(final_answer("26 - 22 = 4, so 4 dollars.", flexible=Tr',
+         'final_answer("26 - 22 = 4, so 4 dollars.", flexible=True) == "4"'),
+        ('print({r["question"] for r in train} & {r["question"] for r ',
+         'not {r["question"] for r in train} & {r["question"] for r in evaluation}'),
+    ],
 }
 
 
@@ -84,4 +144,7 @@ def test_doc_example(name, index, code, tmp_path):
     exec(compile(code, f"{name}[python block {index}]", "exec"), namespace)
     for marker, check in CHECKS.get(name, []):
         if marker in code:
-            check(namespace)
+            if callable(check):
+                check(namespace)
+            else:
+                assert eval(check, namespace), check

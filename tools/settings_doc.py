@@ -119,7 +119,8 @@ def allowed_values(name: str, check) -> str:
         listed = re.search(r"Allowed values: (.*?)\.?$", message)
         if listed:
             return ", ".join(f"`{v.strip()}`" for v in listed.group(1).split(","))
-        kind = kind or ("integer" if "must be an integer" in message else "number" if "must be a number" in message else "")
+        if not kind:
+            kind = "integer" if "must be an integer" in message else "number" if "must be a number" in message else ""
         lies = re.search(r"allowed values lie in (\S+, \S+?)\.?$", message)
         span = span or (lies.group(1) if lies else "")
     if not span:
@@ -150,8 +151,8 @@ def _fp_sections() -> list:
         allowed = allowed_values(name, lambda v, n=name: check_fp_settings({**FP_DEFAULTS, n: v}))
         lines.append(_row([f"`{name}`", f"`{default!r}`", allowed, _text(name)]))
     lines += ["", "## `fpsa_*`: FPSA-BERT, FPSA-ViT, SELF-LLaMA, SELF-Mistral", "",
-              "Set in the config, at load (`from_pretrained(dir, fpsa_halt_unit=\"state\")`) or by assignment; not per "
-              "call. The recipes take them as flags (`--fpsa_jac_weight 30`).", "",
+              "Set in the config, at load (`from_pretrained(dir, fpsa_halt_unit=\"state\")`) or by assignment; not "
+              "per call. The recipes take them as flags (`--fpsa_jac_weight 30`).", "",
               _row(["setting", "default", "allowed values", "what it does"]), _row(["---"] * 4)]
     for name, default in FPSA_DEFAULTS.items():
         allowed = allowed_values(name, lambda v, n=name: check_fpsa_settings({**FPSA_DEFAULTS, n: v}))
