@@ -63,7 +63,9 @@ def _check_lm_eval_models(ns):
 CHECKS = {
     "README.md": [("total_ut_steps=loops", _check_quick_start)],
     "docs/index.md": [("fp_eval_max_iter=60", _check_deq_knobs),
-                      ('get_model("hf-fixedpoint")', _check_lm_eval_models)],
+                      ('get_model("hf-fixedpoint")', _check_lm_eval_models),
+                      ("hub.export(model, d, model_card=card)", "'deq_lm' in card.data.tags"),
+                      ("hub.export(model, d, model_card=card)", "card.data.datasets == ['wikitext']")],
     "docs/attractor_lm.md": [
         ('print(t0.fp_stats, capped.fp_stats.nfe)',
          't0.fp_stats is None and capped.fp_stats.nfe <= 2'),
