@@ -4,11 +4,11 @@
     python -m tools.settings_doc --check   # exit 1 if docs/settings.md differs from what the code gives
 
 Names and defaults come from the code: ``FP_DEFAULTS`` (``hf_fixedpoint/core/fp_settings.py``), ``FPSA_DEFAULTS``
-(``fp_fpsa_settings.py``), the signature of ``OuroConfig`` for Ouro's loop and exit knobs, and each family's
-config for its own defaults of the ``fp_*`` knobs. The allowed values are read from the validators themselves: each
-knob is given a value no validator accepts, and the ``ValueError`` it raises names the allowed values. Only the
-descriptions are written here (``DESCRIPTIONS``, keyed by knob name); a knob without one is an error, so a new knob
-in the code fails ``tests/test_settings_doc.py`` until it is described.
+(``fp_fpsa_settings.py``), each family's config for its own defaults of the ``fp_*`` knobs, and the signatures of
+``OuroConfig`` and ``AttractorConfig`` for those families' own knobs. The allowed values are read from the validators
+themselves: each knob is given a value no validator accepts, and the ``ValueError`` it raises names the allowed
+values. Only the descriptions are written here (``DESCRIPTIONS``, keyed by knob name); a knob without one is an
+error, so a new knob in the code fails ``tests/test_docs.py`` until it is described.
 """
 
 import argparse
@@ -87,12 +87,17 @@ DESCRIPTIONS = {
     "trained_loops": {"text": "Loop counts the model was trained with (the recipes write it); None: "
                               "`total_ut_steps` is the largest. Used by the depth guard.",
                       "allowed": "None, an integer k >= 1, or [lo, hi] with 1 <= lo <= hi"},
+    "readout_iters": {"text": "Solver iterations of a call: None solves to the fixed point (the `fp_*` settings), 0 "
+                              "decodes the backbone's proposal without solving, k caps the solve at k iterations. "
+                              "`unrolled_iters=k` (per call only) runs exactly k iterations as one compilable graph.",
+                      "per_call": "readout_iters"},
     "loop_guard_tol": "Depth guard: a call deeper than `trained_loops` whose state keeps changing by more than this "
                       "warns once (`LoopDepthWarning`); None disables it.",
 }
 
 OURO_KNOBS = ("total_ut_steps", "early_exit_threshold", "early_exit_step", "early_exit_tol", "early_exit_mode",
               "exit_loss", "entropy_weight", "trained_loops", "loop_guard_tol")
+ATTRACTOR_KNOBS = ("readout_iters",)
 BAD_VALUES = ("\x00not-a-value", -10**9)
 
 
@@ -176,27 +181,40 @@ def _family_defaults() -> list:
     return lines
 
 
-def _ouro_section() -> list:
-    from hf_fixedpoint.modeling import OuroConfig, OuroForCausalLM
-
-    params = inspect.signature(OuroConfig.__init__).parameters
-    forward = inspect.signature(OuroForCausalLM.forward).parameters
-    tiny = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1,
-                num_key_value_heads=1)
-    lines = ["## Ouro: loops and early exit", "",
-             "Ouro has no `fp_*` settings. Set in the config, at load (`from_pretrained(dir, total_ut_steps=8)`, "
-             "also as lm-eval `model_args`) or by assignment; the per-call name, where there is one, is a keyword of "
-             "`forward` and `generate`.", "",
-             _row(["setting", "default", "allowed values", "per call", "what it does"]), _row(["---"] * 5)]
-    for name in OURO_KNOBS:
+def _family_section(title: str, intro: str, config_class, model_class, knobs, tiny: dict) -> list:
+    """One family's own knobs: default from the config's signature, allowed values from its validator, the per-call
+    name (checked against ``model_class.forward``) and the description from ``DESCRIPTIONS``."""
+    params = inspect.signature(config_class.__init__).parameters
+    forward = inspect.signature(model_class.forward).parameters
+    lines = [title, "", intro, "", _row(["setting", "default", "allowed values", "per call", "what it does"]),
+             _row(["---"] * 5)]
+    for name in knobs:
         entry = DESCRIPTIONS.get(name)
         per_call = entry.get("per_call", "") if isinstance(entry, dict) else ""
         if per_call and per_call not in forward:
-            raise ValueError(f"{name}: OuroForCausalLM.forward has no keyword {per_call!r}")
-        allowed = allowed_values(name, lambda v, n=name: OuroConfig(**tiny, **{n: v}))
+            raise ValueError(f"{name}: {model_class.__name__}.forward has no keyword {per_call!r}")
+        allowed = allowed_values(name, lambda v, n=name: config_class(**tiny, **{n: v}))
         lines.append(_row([f"`{name}`", f"`{params[name].default!r}`", allowed, f"`{per_call}`" if per_call else "",
                            _text(name)]))
     return lines
+
+
+def _own_sections() -> list:
+    from hf_fixedpoint.modeling import AttractorConfig, AttractorForCausalLM, OuroConfig, OuroForCausalLM
+
+    ouro = _family_section(
+        "## Ouro: loops and early exit",
+        "Ouro has no `fp_*` settings. Set in the config, at load (`from_pretrained(dir, total_ut_steps=8)`, also as "
+        "lm-eval `model_args`) or by assignment; the per-call name, where there is one, is a keyword of `forward` "
+        "and `generate`.", OuroConfig, OuroForCausalLM, OURO_KNOBS,
+        dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1,
+             num_key_value_heads=1))
+    attractor = _family_section(
+        "## Attractor LM: the readout",
+        "Besides the `fp_*` settings. Set in the config, at load or by assignment, and per call on `forward` and "
+        "`generate`.", AttractorConfig, AttractorForCausalLM, ATTRACTOR_KNOBS,
+        dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_attention_heads=1))
+    return ouro + [""] + attractor
 
 
 def knob_names() -> set:
@@ -204,7 +222,7 @@ def knob_names() -> set:
     from hf_fixedpoint.core.fp_fpsa_settings import FPSA_DEFAULTS
     from hf_fixedpoint.core.fp_settings import FP_DEFAULTS
 
-    return set(FP_DEFAULTS) | set(FPSA_DEFAULTS) | set(OURO_KNOBS)
+    return set(FP_DEFAULTS) | set(FPSA_DEFAULTS) | set(OURO_KNOBS) | set(ATTRACTOR_KNOBS)
 
 
 def render() -> str:
@@ -214,7 +232,7 @@ def render() -> str:
             "lm-eval `model_args`): an unknown key or a value outside the allowed ones is a `ValueError` naming the "
             "key and the allowed values. A model's architecture fields (hidden size, layers, ...) are described in "
             "its config class's docstring.", ""]
-    body = _fp_sections() + [""] + _family_defaults() + [""] + _ouro_section()
+    body = _fp_sections() + [""] + _family_defaults() + [""] + _own_sections()
     return "\n".join(head + body) + "\n"
 
 
