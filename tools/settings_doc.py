@@ -39,10 +39,11 @@ DESCRIPTIONS = {
     "fp_min_iter": "Iterations run before convergence is tested. Must not exceed the caps.",
     "fp_stop_fraction": "Stop the solve once at most this fraction of entries is unconverged (0: wait for all).",
     "fp_return": "For unconverged entries: the `best` iterate seen (smallest residual) or the `last` one.",
-    # Written ahead of the knob (it is being added to FP_DEFAULTS); check the wording against the code when it lands.
-    "fp_check_every": "Test convergence only every this many iterations (1: after every one). On a GPU each test "
-                      "reads a value back to the host; testing less often removes those waits at the cost of up to "
-                      "this many minus one extra iterations ([gpu.md](gpu.md)).",
+    "fp_check_every": "How often the host reads the solve's convergence state: every k iterations (1: after every "
+                      "one, the solve stops as soon as it may; k > 1: an entry may run up to k - 1 more iterations). "
+                      "0: never inside the solve, which runs its whole budget with finished entries frozen on the "
+                      "device and reads once after the loop (NaN/Inf); the forward then compiles as one graph "
+                      "([gpu.md](gpu.md)).",
     "fp_backward": "Gradient mode: `ift` (implicit function theorem, adjoint solved by a solver), `phantom` "
                    "(a few damped steps from the fixed point), `one_step` (Jacobian-free), `bptt` (backprop "
                    "through the unrolled solve).",

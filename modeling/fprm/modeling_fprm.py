@@ -19,6 +19,7 @@ mode, stopping per puzzle, output ``f(y)``); training windows freeze the puzzles
 Padding positions (``pad_id``) are left out of the ``token_linf`` residual.
 """
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -84,6 +85,7 @@ def _start_noise(n, S, D, std, kind, device, generator=None):
     return torch.randn(n, S, D, generator=generator, device=device) * std
 
 
+@functools.lru_cache(maxsize=16)  # drawn once per shape (the callers copy it)
 @torch.compiler.assume_constant_result  # a constant of (S, D) and the config: no generator inside a compiled graph
 def _seeded_start_noise(S, D, std, kind, seed):
     """The evaluation start: one ``(1, S, D)`` draw on the CPU from a generator seeded with ``seed``."""
