@@ -39,7 +39,8 @@ forward over the forward's minimum wall time); on a CPU the aten ops and the ops
 (``aten::_local_scalar_dense`` and ``aten::nonzero``), no busy share. The compiled configuration's first calls
 (compilation, CUDA-graph recording) are timed apart. A measurement that fails (a graph break under ``fullgraph``, a
 refused static cache, an unknown setting) puts its reason in its cell and the run goes on. After ``--budget-s`` seconds
-the remaining cells are skipped and marked so. Prints one markdown table; ``--json`` writes the cells.
+the remaining cells are skipped and marked so. Prints one markdown table; ``--json`` writes the cells. Correctness on
+a GPU (logits against the CPU's, training, generated tokens) is ``tools/gpu_smoke.py``'s; nothing here checks it.
 """
 
 import argparse
