@@ -245,24 +245,21 @@ def reason(error):
 
 def timed(fns, repeats, device, warmups):
     """Minimum seconds of each of ``fns`` (name -> callable), interleaved (``time_interleaved``), and the seconds of
-    its ``warmups`` calls before (compilation, CUDA-graph recording)."""
-    sync, first = device_sync(device), {}
+    its ``warmups`` calls before (compilation, CUDA-graph recording) with the number of graphs dynamo compiled in
+    them."""
+    from torch._dynamo.utils import counters
+
+    sync, first, graphs = device_sync(device), {}, {}
     with torch.no_grad():
         for name, fn in fns.items():
             sync()
-            t0 = time.perf_counter()
+            t0, g0 = time.perf_counter(), counters["stats"]["unique_graphs"]
             for _ in range(warmups):
                 fn()
             sync()
-            first[name] = time.perf_counter() - t0
+            first[name], graphs[name] = time.perf_counter() - t0, counters["stats"]["unique_graphs"] - g0
     times, _ = time_interleaved(fns, repeats, device)
-    return {name: min(t) for name, t in times.items()}, first
-
-
-def graphs_compiled():
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
+    return {name: min(t) for name, t in times.items()}, first, graphs
 
 
 def measure_forward(cell, fam, size, targets, batch, settings, device, repeats):
@@ -270,10 +267,9 @@ def measure_forward(cell, fam, size, targets, batch, settings, device, repeats):
     forward of each launches (``cell["ops"]``) and, on CUDA, the GPU's busy share."""
     fns = {name: forward_fn(fam, size, target, batch, knobs, settings) for name, (target, knobs) in targets.items()}
     try:
-        before = graphs_compiled()
-        mins, first = timed(fns, repeats, device, warmups=3 if settings else 0)
-        if settings and fam.decode and graphs_compiled() == before:
-            raise RuntimeError("generate ran without compiling its forward")
+        mins, first, graphs = timed(fns, repeats, device, warmups=3 if settings else 0)
+        if settings and fam.decode and not all(graphs.values()):
+            raise RuntimeError(f"generate ran without compiling its forward (graphs compiled: {graphs})")
     except Exception as e:  # a graph break, a refused setting: the reason goes into the cell
         cell["forward_error"] = reason(e)
         return
@@ -299,7 +295,7 @@ def measure_train(cell, targets, batch, settings, device, repeats):
         optimizer = torch.optim.AdamW(target.parameters(), lr=1e-6)  # a tiny step: the weights barely move
         fns[name] = step_fn(target, batch, knobs, settings, optimizer)
     try:
-        mins, first = timed(fns, repeats, device, warmups=3 if settings else 0)
+        mins, first, _ = timed(fns, repeats, device, warmups=3 if settings else 0)
     except Exception as e:
         cell["train_error"] = reason(e)
         return
