@@ -428,6 +428,18 @@ def on(device, dtype, batch):
     return {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in batch.items()}
 
 
+def build(pairs, fam, size, device, dtype):
+    """``fam``'s (model, counterpart) on ``device``, built once and shared by the rows of one pair (FPSA-BERT's two),
+    or the exception that building raised."""
+    if fam.pair not in pairs:
+        torch.manual_seed(0)
+        try:
+            pairs[fam.pair] = tuple(m.to(device, dtype).eval() for m in fam.pair(size))
+        except Exception as e:  # e.g. a config a transformers release refuses: the row says so, the others run
+            pairs[fam.pair] = e
+    return pairs[fam.pair]
+
+
 def main(argv=None):
     args = parse_args(argv)
     device, dtype, size = args.device, getattr(torch, args.dtype), SIZES["tiny" if args.tiny else "gpu"]
@@ -444,13 +456,12 @@ def main(argv=None):
             row = {"family": key, "model": fam.label, "base": fam.base_label, "config": config}
             if time.perf_counter() > deadline:
                 row["cell"] = {"skipped": SKIPPED}
+            elif isinstance(pair := build(pairs, fam, size, device, dtype), Exception):
+                row["cell"] = {"skipped": f"building the models failed: {reason(pair)}"}
             else:
-                if fam.pair not in pairs:  # built once, shared by the rows of one pair (FPSA-BERT's two)
-                    torch.manual_seed(0)
-                    pairs[fam.pair] = tuple(m.to(device, dtype).eval() for m in fam.pair(size))
                 inputs = tuple(on(device, dtype, b) for b in fam.inputs(size, fam.labels))
                 t0 = time.perf_counter()
-                row["cell"] = measure_cell(fam, size, pairs[fam.pair], inputs, config, config_knobs, settings, device,
+                row["cell"] = measure_cell(fam, size, pair, inputs, config, config_knobs, settings, device,
                                            args.repeats)
                 row["cell"]["seconds"] = time.perf_counter() - t0
             print(f"{config:14s} {fam.label:28s} {row['cell'].get('seconds', 0):5.1f} s: " +

@@ -1,6 +1,7 @@
 """bench_gpu on the CPU at its tiny sizes: every family's row is measured, failures and the budget land in cells, the
 table and the JSON carry the header (no timing is checked)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -60,6 +61,17 @@ def test_budget_skips_the_remaining_cells(capsys):
     rows = main(TINY + ["--budget-s", "0"])
     assert rows and all(r["cell"]["skipped"] == SKIPPED and "forward_ms" not in r["cell"] for r in rows)
     assert sum(SKIPPED in line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")) == len(rows)
+
+
+def test_a_family_that_cannot_be_built_is_a_cell(monkeypatch):
+    from benchmarks import bench_gpu
+
+    def refused(size):
+        raise ValueError("hidden_size=32 is refused")
+
+    monkeypatch.setitem(bench_gpu.FAMILIES, "deq_lm", dataclasses.replace(FAMILIES["deq_lm"], pair=refused))
+    (row,) = main(TINY + ["--families", "deq_lm", "--configs", "eager"])
+    assert row["cell"]["skipped"] == "building the models failed: ValueError: hidden_size=32 is refused"
 
 
 def test_reason_is_one_short_line():
