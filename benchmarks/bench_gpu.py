@@ -235,7 +235,8 @@ def reason(error):
     frame of the user code where it happened."""
     text = str(error)
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    out = f"{type(error).__name__}: {lines[0] if lines else ''}"
+    first = lines[0].replace("Consider annotating your code using torch._check*(). ", "") if lines else ""
+    out = f"{type(error).__name__}: {first}"  # (dynamo's data-dependent guard message starts with that advice)
     out = out if len(out) <= 110 else out[:107] + "..."
     frames = re.findall(r'File "([^"]+)", line (\d+)', text)
     if frames:
