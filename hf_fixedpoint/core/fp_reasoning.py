@@ -66,6 +66,15 @@ def rms_norm(x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
     return F.rms_norm(x.to(torch.promote_types(x.dtype, torch.float32)), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
+
+def _value_range(ids: torch.Tensor) -> tuple:
+    """``(min, max)`` of integer ``ids`` in one read to the host; ``(0, 0)`` for an empty tensor and inside a
+    ``torch.compile`` graph (where the embedding's own bounds check acts instead)."""
+    if not ids.numel() or torch.compiler.is_compiling():
+        return 0, 0
+    lo, hi = torch.stack(torch.aminmax(ids)).tolist()
+    return lo, hi
+
 class CastedLinear(nn.Linear):
     """``nn.Linear`` with LeCun truncated-normal init whose weight is cast to the input's dtype at call time.
 
@@ -258,10 +267,11 @@ class SparsePuzzleEmbedding(nn.Module):
         self.local_ids: Optional[torch.Tensor] = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.weights.shape[0]):
+        lo, hi = _value_range(ids)
+        if lo < 0 or hi >= self.weights.shape[0]:
             raise ValueError(f"puzzle_identifiers must lie in [0, {self.weights.shape[0]}); got values in "
-                             f"[{int(ids.min())}, {int(ids.max())}]. Build the model with num_puzzle_identifiers "
-                             "from the dataset's PuzzleMetadata.")
+                             f"[{lo}, {hi}]. Build the model with num_puzzle_identifiers from the dataset's "
+                             "PuzzleMetadata.")
         if not (self.training and torch.is_grad_enabled()):
             return self.weights[ids]
         self.local_weights = self.weights[ids].detach().clone().requires_grad_(True)
@@ -390,9 +400,9 @@ class PuzzleTrunk(nn.Module):
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq_len); got shape {tuple(input_ids.shape)}.")
         vocab = self.config.vocab_size
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
-            raise ValueError(f"input_ids must lie in [0, {vocab}) (vocab_size); got values in "
-                             f"[{int(input_ids.min())}, {int(input_ids.max())}].")
+        lo, hi = _value_range(input_ids)
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"input_ids must lie in [0, {vocab}) (vocab_size); got values in [{lo}, {hi}].")
         return self.input(input_ids, puzzle_identifiers, self.dtype)
 
     def rope(self, length: int):

@@ -144,7 +144,8 @@ class DEQLMModel(DEQLMPreTrainedModel):
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
         elif position_ids is None:
             position_ids = torch.arange(T, device=inputs_embeds.device)[None]
-        if T > self.config.max_position_embeddings or int(position_ids.max()) >= self.config.max_position_embeddings:
+        limit = self.config.max_position_embeddings  # the position check reads the host: not inside a graph
+        if T > limit or (not torch.compiler.is_compiling() and int(position_ids.max()) >= limit):
             raise ValueError(
                 f"sequence length {T} exceeds max_position_embeddings={self.config.max_position_embeddings}."
             )

@@ -75,6 +75,20 @@ class FPRMPuzzleOutput(ModelOutput):
     hidden_states: Optional[tuple] = None
 
 
+def _start_noise(n, S, D, std, kind, device, generator=None):
+    """``(n, S, D)`` start noise: truncated normal or normal with standard deviation ``std``."""
+    noise = torch.empty(n, S, D, device=device)
+    if kind == "truncated":
+        return trunc_normal_(noise, std=std, generator=generator)
+    return torch.randn(n, S, D, generator=generator, device=device) * std
+
+
+@torch.compiler.assume_constant_result  # a constant of (S, D) and the config: no generator inside a compiled graph
+def _seeded_start_noise(S, D, std, kind, seed):
+    """The evaluation start: one ``(1, S, D)`` draw on the CPU from a generator seeded with ``seed``."""
+    return _start_noise(1, S, D, std, kind, "cpu", torch.Generator().manual_seed(seed))
+
+
 class FPRMPreTrainedModel(PuzzleCheckpointMixin, PreTrainedModel):
     config_class = FPRMConfig
     base_model_prefix = "model"
@@ -163,13 +177,10 @@ class FPRMModel(FPRMPreTrainedModel):
         else:
             # Evaluation: one draw from a seeded CPU generator, shared by every slot, so a puzzle's output does not
             # depend on the batch it is in, its slot, or the device (CUDA's generator draws other numbers).
-            g = None if self.training else torch.Generator().manual_seed(c.seed)
-            n, at = (batch_size, device) if self.training else (1, "cpu")
-            noise = torch.empty(n, S, D, device=at)
-            if c.init_noise == "truncated":
-                trunc_normal_(noise, std=c.init_std, generator=g)
+            if self.training:
+                noise = _start_noise(batch_size, S, D, c.init_std, c.init_noise, device)
             else:
-                noise = torch.randn(n, S, D, generator=g, device=at) * c.init_std
+                noise = _seeded_start_noise(S, D, c.init_std, c.init_noise, c.seed)
             y = noise.to(device, dtype).expand(batch_size, S, D).clone()
         state = {"y": y, "iterations": torch.zeros(batch_size, dtype=torch.long, device=device)}
         kw = self._solver(None)

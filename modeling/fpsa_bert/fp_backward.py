@@ -7,8 +7,9 @@ The forward solve never builds a graph. How gradients reach the parameters and i
 
 * ``ift`` -- implicit function theorem: ``dL/dtheta = u^T df/dtheta`` with ``u = J^T u + dL/dz*`` solved by any
   registered solver (its own tolerance and cap). An adjoint that misses its tolerance is warned about and reported in
-  ``stats.backward``. ``adjoint_mask`` (or ``"converged"``) drops the implicit term for masked-out entries, as FPSA
-  does for tokens that did not converge: ``u = g + M * (J^T u)``.
+  ``stats.backward`` (the warning needs a host read: with the forward's ``check_every != 1`` the adjoint, solved with
+  the same ``check_every``, is reported in ``stats.backward`` only). ``adjoint_mask`` (or ``"converged"``) drops
+  the implicit term for masked-out entries, as FPSA does for tokens that did not converge: ``u = g + M * (J^T u)``.
 * ``phantom`` -- ``steps`` damped steps ``z <- (1 - damping) z + damping f(z)`` from ``z*`` with gradient.
 * ``one_step`` -- Jacobian-free backprop (JFB): one step ``f(z*)`` with gradient.
 * ``bptt`` -- backprop through a Picard unroll: the last ``steps`` steps from ``z*``, or, with ``steps=None`` (or at
@@ -69,7 +70,7 @@ class _ImplicitGrad(torch.autograd.Function):
         u, bstats = solve(adjoint_map, grad, options=opts, check=False)
         if ctx.stats is not None:
             ctx.stats.backward = bstats
-        if not bool(bstats.converged.all()):
+        if opts.check_every == 1 and not bool(bstats.converged.all()):  # else: no host read, see stats.backward
             # A constant message, so Python's default filter shows it once per call site instead of every step;
             # the numbers are in stats.backward.
             warnings.warn(
@@ -149,7 +150,8 @@ def ift(f, z0, z_star, stats, *, solver="anderson", tol=None, max_iter=None, sol
     """
     options = SolveOptions(solver=solver, tol=_forward.tol if tol is None else tol, stop_mode="rel",
                            max_iter=_forward.max_iter if max_iter is None else max_iter,
-                           solver_kwargs=solver_kwargs or None, return_mode="last")
+                           solver_kwargs=solver_kwargs or None, return_mode="last",
+                           check_every=_forward.check_every)
     h, fh = differentiable_evaluation(f, z_star) if _evaluation is None else _evaluation
     h.register_post_accumulate_grad_hook(_drop_grad)  # the outer backward also reaches h: nothing needs dL/dh
     if not _reaches_other_leaves(fh, h):  # nothing f uses requires grad (a frozen model under enable_grad)

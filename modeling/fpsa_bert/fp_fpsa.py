@@ -45,7 +45,7 @@ compute budget. Its gradient is backprop through the (short) loop.
 """
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Callable, Optional
 
 import torch
@@ -161,10 +161,15 @@ class FPSAOptions:
         """``options`` (default ``FPSAOptions()``) with keyword ``changes``; an unknown name is a ValueError."""
         if not changes:  # nothing to re-validate
             return options or cls()
-        unknown = set(changes) - {f.name for f in fields(cls)}
+        unknown = set(changes) - set(FPSA_OPTION_NAMES)
         if unknown:
-            raise ValueError(f"Unknown FPSA option(s) {sorted(unknown)}; allowed: {[f.name for f in fields(cls)]}.")
-        return replace(options or cls(), **changes)
+            raise ValueError(f"Unknown FPSA option(s) {sorted(unknown)}; allowed: {list(FPSA_OPTION_NAMES)}.")
+        base = options or cls()
+        # Not dataclasses.replace: torch.compile cannot trace dataclasses.fields() of a class (a graph break).
+        return cls(**{name: changes[name] if name in changes else getattr(base, name) for name in FPSA_OPTION_NAMES})
+
+
+FPSA_OPTION_NAMES = tuple(f.name for f in fields(FPSAOptions))
 
 
 class _LayerMap:
@@ -298,8 +303,9 @@ def _tolerance_solve(fmap: _LayerMap, o1, args, fp_kwargs, opts: FPSAOptions, ho
     # Encoder layers (every query and key a per-token function of the iterate, no extra inputs, not causal: attention
     # functions treat a module without ``is_causal = False`` as causal) let the forward solve skip converged tokens:
     # the solver passes the open entries and ``sparse_f`` recomputes the iterate, queries and keys of the tokens that
-    # still have an open head only, reusing the cached keys of the others.
-    if not extra and getattr(fmap.module, "is_causal", True) is False:
+    # still have an open head only, reusing the cached keys of the others. That needs the host to pick the tokens:
+    # a solve that checks less often than every step (``check_every != 1``) recomputes every token instead.
+    if not extra and getattr(fmap.module, "is_causal", True) is False and kw.get("check_every", 1) == 1:
         keys = torch.empty((B, value.shape[1], T, value.shape[-1]), dtype=value.dtype, device=value.device)
         stale = torch.ones(B, T, dtype=torch.bool, device=o1.device)
         sparse_f = _open_tokens_map(fmap.state, fmap.scaled_query, fmap.key, fmap.attend_rows, fmap.step_norm)

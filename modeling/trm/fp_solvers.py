@@ -38,7 +38,12 @@ RETURN_MODES = ("best", "last")
 
 
 class _Solver:
-    """Base class: the per-entry state is ``self.state`` (tensors with a leading entry dimension)."""
+    """Base class: the per-entry state is ``self.state`` (tensors with a leading entry dimension).
+
+    ``host_reads``: whether ``step`` may read a tensor back to the host to skip work (True by default); the loop of a
+    solve with ``check_every != 1`` sets it to False, so a step then issues device ops only."""
+
+    host_reads = True
 
     def __init__(self):
         self.state = {}
@@ -173,7 +178,7 @@ class AdaptivePicard(_Solver):
         dot = (gz * prev).sum(-1)
         flips = dot < 0  # the zero initial state counts as aligned
         self.state["prev"], self.state["flipped"] = gz, flips
-        if not bool(flips.any()):
+        if self.host_reads and not bool(flips.any()):
             return fz
         step = self.damping
         if step == "auto":
@@ -248,12 +253,18 @@ class Anderson(_Solver):
         ones, eye = self._consts(n, mm, H)
         # min ||sum a_i g_i||^2 + ridge ||a||^2 s.t. sum a_i = 1  =>  a = y / sum(y) with (H + ridge I) y = 1.
         ridge = self.lam * torch.diagonal(Hm, dim1=1, dim2=2).mean(1) + torch.finfo(Hm.dtype).tiny
-        y, info = torch.linalg.solve_ex(torch.addcmul(Hm, ridge[:, None, None], eye), ones)  # H + ridge I
+        A = torch.addcmul(Hm, ridge[:, None, None], eye)  # H + ridge I
+        if self.host_reads:
+            y, info = torch.linalg.solve_ex(A, ones)
+        else:  # LAPACK's solve reads a value back to the host on the CPU; elimination is device ops only
+            y, info = _solve_spd(A, ones), None
         y_sum = y.sum(1)
         alpha = y / y_sum[:, None]
         # A singular system (or, at an exact fixed point, a sum of y that overflows): a plain step for that entry.
         # alpha sums to 1 where it is finite, so the product is finite iff both alpha's sum and y's sum are.
-        ok = (info == 0) & torch.isfinite(alpha.sum(1) * y_sum)
+        ok = torch.isfinite(alpha.sum(1) * y_sum)
+        if info is not None:
+            ok = ok & (info == 0)
         alpha = torch.where(ok[:, None], alpha, eye[slot])  # eye[slot]: the plain step's weights
         # (n, 1, mm). Not unsqueeze(1): same strides, and bmm alone times the same, yet 40 steps of a B=32, D=256
         # solve ran 1.25-1.7x slower with it on CPU (torch 2.13, measured; cause not found).
@@ -263,6 +274,19 @@ class Anderson(_Solver):
         if beta == 1.0:
             return mixed
         return torch.lerp(torch.bmm(alpha, st["X"][:, :mm])[:, 0], mixed, beta)
+
+
+def _solve_spd(A: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``y`` with ``A y = b`` for a batch of small symmetric positive definite ``A`` (``(n, m, m)``, ``b`` ``(n, m)``)
+    by Gauss-Jordan elimination without pivoting (stable for such matrices), in ``O(m)`` elementwise ops; a singular
+    system gives a non-finite ``y``."""
+    m = A.shape[1]
+    aug = torch.cat([A, b[:, :, None]], 2)  # (n, m, m + 1)
+    for j in range(m):
+        pivot_row = aug[:, j:j + 1] / aug[:, j:j + 1, j:j + 1]  # row j scaled to a unit pivot
+        aug = aug - aug[:, :, j:j + 1] * pivot_row  # column j eliminated from every row (row j becomes zero)
+        aug[:, j:j + 1] = pivot_row
+    return aug[:, :, m]
 
 
 @SOLVERS.register("broyden")
@@ -362,6 +386,14 @@ class SolveOptions:
         solver_kwargs: extra arguments of the solver (e.g. ``{"m": 5}`` for Anderson).
         compact: evaluate ``f`` only on unfinished samples (``f`` must be row-separable, see module docstring).
         track_trace: keep the residual of every iteration in ``stats.trace``.
+        check_every: how often the host reads the convergence state: every ``k`` iterations (1, the default: every
+            iteration, the solve stops at the first iteration where it may); ``0``: never inside the loop, which then
+            runs ``max_iter`` evaluations with finished entries frozen on the device by masks (no compaction, no
+            ``nonzero``), and the statistics stay device tensors; one read at the end checks for non-finite iterates
+            (in a ``torch.compile`` graph a device-side assert does). With ``k > 1`` the solve stops at the first
+            check where it may, so it runs fewer than ``k`` evaluations more than with 1, with the same results for
+            converged entries; ``stop_fraction`` and a solver's halting act on the device at the iteration they
+            happen. ``compact`` applies with ``check_every=1`` only (it needs the host to pick the rows).
         pass_active: call ``f(z, *args, active=mask)`` with ``mask`` the entries still iterating (a bool tensor shaped
             like the working rows' entries, ``(rows, *z0.shape[1:batch_dims])``; None while every entry is open), so
             that ``f`` can skip the work of converged entries: their values in its output are ignored.
@@ -380,6 +412,7 @@ class SolveOptions:
     compact: bool = False
     track_trace: bool = False
     pass_active: bool = False
+    check_every: int = 1
 
     def check(self, prefix: str = "", names: Optional[dict] = None) -> "SolveOptions":
         """Validate every option; returns the options with ``solver_kwargs`` checked against the solver.
@@ -399,6 +432,7 @@ class SolveOptions:
         check_number(self.batch_dims, name["batch_dims"], low=1, integer=True)
         check_number(self.stop_fraction, name["stop_fraction"], low=0.0, high=1.0, high_open=True)
         check_choice(self.return_mode, name["return_mode"], RETURN_MODES)
+        check_number(self.check_every, name["check_every"], low=0, integer=True)
         kwargs = solver_kwargs_check(self.solver, self.solver_kwargs, name["solver_kwargs"])
         return self if kwargs == (self.solver_kwargs or {}) else replace(self, solver_kwargs=kwargs)
 
@@ -507,7 +541,7 @@ def solve(f: Callable, z0: torch.Tensor, *, args: Sequence = (), options: Option
         check: validate the options (callers that validated them once, such as configs, pass False).
         **option_changes: fields of ``SolveOptions`` (``solver``, ``tol``, ``stop_mode``, ``norm``, ``max_iter``,
             ``min_iter``, ``batch_dims``, ``stop_fraction``, ``return_mode``, ``solver_kwargs``, ``compact``,
-            ``track_trace``, ``pass_active``) that replace those of ``options``.
+            ``track_trace``, ``pass_active``, ``check_every``) that replace those of ``options``.
 
     Raises:
         NonFiniteError: an iterate contains NaN or Inf (the message names the iteration and the samples).
@@ -525,8 +559,9 @@ def solve(f: Callable, z0: torch.Tensor, *, args: Sequence = (), options: Option
         residual = z0.new_zeros(entry_shape, dtype=torch.promote_types(z0.dtype, torch.float32))
         return z0.detach().clone(), FixedPointStats(empty, residual, empty.bool(), 0, opts.solver, opts.tol,
                                                      opts.stop_mode, options=opts)
+    loop = _SolveLoop if opts.check_every == 1 else _MaskedSolveLoop
     with torch.no_grad():
-        return _SolveLoop(f, z0, tuple(args), opts, row_mask, residual_fn).run()
+        return loop(f, z0, tuple(args), opts, row_mask, residual_fn).run()
 
 
 class _SolveLoop:
@@ -829,6 +864,133 @@ class _SolveLoop:
             options=opts,
         )
         return (out if self.flat else out.view(self.shape)), stats
+
+
+class _MaskedSolveLoop(_SolveLoop):
+    """The loop of ``check_every != 1``: no host read between checks.
+
+    The convergence state is settled on the device by masks at every ``check_every``-th iteration (every iteration
+    for 0) and at the last one: entries below the tolerance (or halted by the solver, or stopped by ``stop_fraction``)
+    are recorded and frozen, the best iterate is updated, and the largest residual of the open entries is kept so a
+    NaN or Inf shows. With ``check_every = k > 0`` the host reads one pair of numbers at each settlement (every entry
+    done? any non-finite?) and stops or raises; with 0 it reads once, after the loop. Between settlements a step
+    is ``f`` and the solver's update only (plus the freeze of entries finished earlier), so a small problem pays the
+    bookkeeping once per ``k`` evaluations.
+    """
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.algo.host_reads = False
+        G, dev = self.G, self.z.device
+        self.done = torch.zeros(G, dtype=torch.bool, device=dev)
+        self.conv = torch.zeros_like(self.done)
+        self.nstep = torch.zeros(G, dtype=torch.long, device=dev)
+        self.worst = None  # the largest residual of the open entries so far (NaN / Inf propagate)
+        self.settled = False  # whether any settlement ran (before it nothing is frozen)
+        # Plain Picard needs no residual between settlements (its step is f(z)); the other solvers use g = f(z) - z.
+        self.needs_gz = not (type(self.algo) is Picard and self.algo.damping == 1.0)
+        self.every_step = self.observe is not None or self.trace is not None  # they need a residual every step
+
+    def run(self):
+        opts = self.opts
+        every, max_iter, k = opts.check_every, opts.max_iter, 0
+        period = every or 1
+        for k in range(1, max_iter + 1):
+            settle = k % period == 0 or k == max_iter
+            fz, gz, res = self._evaluate_masked(settle or self.every_step, settle or self.needs_gz)
+            if settle:
+                self._settle_masked(k, fz, res)
+                if every and self._check(k):
+                    break
+            if k == max_iter:
+                break
+            self.z = self.algo.step(self.z, fz, gz, k)
+            if self.settled and self.freeze:
+                self.z = torch.where(self.frozen, self.out, self.z)
+        if not every:
+            self._check(k)
+        return self._result(k, fz, res)
+
+    def _evaluate_masked(self, want_res, want_gz):
+        """``(f(z), f(z) - z or None, residual or None)`` on every row."""
+        z, extra = self.z, {}
+        if self.opts.pass_active:
+            extra["active"] = (~self.done).view(self.shape[:self.opts.batch_dims]) if self.settled else None
+        fz = self.f(z if self.flat else z.view(self.shape), *self.args, **extra)
+        if fz.shape != self.shape:
+            self._raise_shape(fz)
+        if not self.flat:
+            fz = fz.reshape(z.shape)
+        if not (want_res or want_gz):
+            return fz, None, None
+        gz = fz - z
+        if not want_res:
+            return fz, gz, None
+        if self.residual_fn is None:
+            res = _residual(gz, fz, self.opts.stop_mode, self.opts.norm, self.row_size, self.rmask, self.acc, self.eps)
+        else:
+            res = self.residual_fn(fz.view(self.shape), z.view(self.shape), *self.args, **extra).reshape(-1)
+        if self.observe is not None:
+            self.observe(res)
+        if self.trace is not None:
+            self.trace.append(res.masked_fill(self.done, math.nan))
+        return fz, gz, res
+
+    def _settle_masked(self, k, fz, res):
+        """Device ops only: record and freeze the entries that finish at step ``k``, update the best iterate."""
+        opts, done = self.opts, self.done
+        if self.tol_t is None:
+            self.tol_t = torch.full((), opts.tol, dtype=res.dtype, device=res.device)
+        worst = torch.where(done, self.zero_t, res)  # per entry: NaN / Inf of an open entry propagate
+        self.worst = worst if self.worst is None else torch.maximum(self.worst, worst)
+        if opts.return_mode == "best":
+            if self.best is None:
+                self.best, self.best_res = fz, res
+            else:
+                self._update_best(res <= self.best_res, fz, res)
+        newly = (res < self.tol_t) & ~done if k >= opts.min_iter else None
+        if self.out is None:
+            self.out, self.out_res = fz, res
+        elif newly is not None:
+            self.out = torch.where(newly[:, None], fz, self.out)
+            self.out_res = torch.where(newly, res, self.out_res)
+        if newly is not None:
+            self.nstep = self.nstep.masked_fill(newly, k)
+            self.conv = self.conv | newly
+            done = done | newly
+        stop = self.algo.halted() if self.halts else None
+        if opts.stop_fraction > 0:
+            few = (~done).sum() <= opts.stop_fraction * self.G
+            stop = few if stop is None else stop | few
+        if stop is not None:  # halted entries return the best (or last) iterate's image
+            newly_stopped = stop & ~done
+            src, src_res = (self.best, self.best_res) if opts.return_mode == "best" else (fz, res)
+            self.out = torch.where(newly_stopped[:, None], src, self.out)
+            self.out_res = torch.where(newly_stopped, src_res, self.out_res)
+            self.nstep = self.nstep.masked_fill(newly_stopped, k)
+            done = done | newly_stopped
+        self.done, self.frozen, self.settled = done, done[:, None], True
+
+    def _check(self, k) -> bool:
+        """The host read: raise on a non-finite residual of an open entry; True once every entry is done. Inside a
+        ``torch.compile`` graph (``check_every=0``) a device-side assert replaces the read."""
+        finite = torch.isfinite(self.worst.amax())
+        if torch.compiler.is_compiling():
+            torch._assert_async(finite, "fixed-point solve produced NaN/Inf (NonFiniteError; check_every=0)")
+            return False
+        state = int((finite.logical_not() * 2 + self.done.all()).item())  # one read: 2 if non-finite, 1 if all done
+        if state >= 2:
+            self._raise_nonfinite_masked(k)
+        return state == 1
+
+    def _raise_nonfinite_masked(self, k):
+        bad = (~torch.isfinite(self.worst)).nonzero()[:, 0] // self.gps
+        bad = sorted({int(i) for i in bad.tolist()})
+        raise NonFiniteError(
+            f"fixed-point solve ({self.opts.solver}) produced NaN/Inf by iteration {k} (check_every="
+            f"{self.opts.check_every}) for samples {bad[:20]}{' ...' if len(bad) > 20 else ''} (of {self.B}). Lower "
+            f"the learning rate, add damping or a stability regularizer, or check the inputs."
+        )
 
 
 __all__ = ["NORMS", "OPTION_NAMES", "RETURN_MODES", "SOLVERS", "STOP_MODES", "SolveOptions", "resolve_options",

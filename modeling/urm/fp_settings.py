@@ -29,6 +29,7 @@ FP_DEFAULTS = {
     "fp_min_iter": 0,
     "fp_stop_fraction": 0.0,  # stop once at most this fraction of entries is unconverged
     "fp_return": "best",  # best | last iterate for unconverged entries
+    "fp_check_every": 1,  # host reads of the convergence state: every k iterations; 0: never inside the solve
     "fp_backward": "ift",  # ift | phantom | one_step | bptt
     "fp_backward_solver": "anderson",  # ift: adjoint solver
     "fp_backward_tol": None,  # ift: adjoint tolerance (None: fp_tol)
@@ -100,7 +101,8 @@ def fp_settings(config, overrides: dict = None) -> dict:
 def _options(s: dict, max_iter: int, min_iter: int) -> SolveOptions:
     return SolveOptions(solver=s["fp_solver"], tol=s["fp_tol"], stop_mode=s["fp_stop_mode"], norm=s["fp_norm"],
                         max_iter=max_iter, min_iter=min_iter, stop_fraction=s["fp_stop_fraction"],
-                        return_mode=s["fp_return"], solver_kwargs=s["fp_solver_kwargs"])
+                        return_mode=s["fp_return"], solver_kwargs=s["fp_solver_kwargs"],
+                        check_every=s["fp_check_every"])
 
 
 def _run_options(s: dict, training: bool) -> SolveOptions:
@@ -115,7 +117,7 @@ def solve_options(config, training: bool, overrides: dict = None) -> SolveOption
 
 # The options a config sets; the others (batch_dims, compact, ...) belong to the model that calls the solver.
 CONFIG_OPTIONS = ("solver", "solver_kwargs", "tol", "stop_mode", "norm", "max_iter", "min_iter", "stop_fraction",
-                  "return_mode")
+                  "return_mode", "check_every")
 
 
 def fixed_point_kwargs(config, training: bool, overrides: dict = None) -> dict:

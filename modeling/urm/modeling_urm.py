@@ -93,7 +93,8 @@ class URMModel(URMPreTrainedModel):
         kw = fixed_point_kwargs(self.config, self.training, fp_overrides)
         h, stats = solve(self.loop, state["h"], args=(x,), solver=kw["solver"], solver_kwargs=kw["solver_kwargs"],
                          tol=kw["tol"], stop_mode=kw["stop_mode"], norm=kw["norm"], max_iter=kw["max_iter"],
-                         min_iter=kw["min_iter"], stop_fraction=kw["stop_fraction"], return_mode=kw["return_mode"])
+                         min_iter=kw["min_iter"], stop_fraction=kw["stop_fraction"], return_mode=kw["return_mode"],
+                         check_every=kw["check_every"])
         for _ in range(self.config.L_cycles):
             h = self.loop(h, x)
         return {"h": h, "x": x, "state": {"h": h.detach()}, "stats": stats,
