@@ -4,6 +4,7 @@ inside the solve, eager and compiled, in one run of a few minutes.
     python -m benchmarks.bench_gpu                              # on a CUDA machine: the whole table, <= 280 s
     python -m benchmarks.bench_gpu --json gpu.json              # also write every cell to a file
     python -m benchmarks.bench_gpu --families fpsa_bert_cap4 ouro --configs eager compiled
+    python -m benchmarks.bench_gpu --configs compiled --set fp_backward=phantom   # a training step that compiles whole
     python -m benchmarks.bench_gpu --device cpu --tiny --repeats 1   # the CPU dry run the test suite does
 
 Random models of a small realistic size (``SIZES["gpu"]``: width 768, 4 layers, 12 heads, MLP 3072, vocab 8192, batch
@@ -39,7 +40,9 @@ forward over the forward's minimum wall time); on a CPU the aten ops and the ops
 (``aten::_local_scalar_dense`` and ``aten::nonzero``), no busy share. The compiled configuration's first calls
 (compilation, CUDA-graph recording) are timed apart. A measurement that fails (a graph break under ``fullgraph``, a
 refused static cache, an unknown setting) puts its reason in its cell and the run goes on. After ``--budget-s`` seconds
-the remaining cells are skipped and marked so. Prints one markdown table; ``--json`` writes the cells. Correctness on
+the remaining cells are skipped and marked so. ``--set fp_key=value`` adds a per-call fixed-point setting to every
+solver family's calls (e.g. ``fp_backward=phantom``: the default ``ift`` backward breaks a ``fullgraph`` training
+step). Prints one markdown table; ``--json`` writes the cells. Correctness on
 a GPU (logits against the CPU's, training, generated tokens) is ``tools/gpu_smoke.py``'s; nothing here checks it.
 """
 
@@ -55,7 +58,7 @@ import torch
 import transformers
 
 from benchmarks.bench_fpsa import count_ops
-from benchmarks.bench_fpsa_convergence import check_device, device_sync, time_interleaved
+from benchmarks.bench_fpsa_convergence import check_device, device_sync, parse_set, time_interleaved
 from hf_fixedpoint.core.fp_settings import FP_DEFAULTS
 
 
@@ -232,15 +235,16 @@ def step_fn(target, batch, knobs, settings, optimizer=None):
 
 def reason(error):
     """A failure as one short line for a table cell: its type, first line and, for a graph break, the innermost
-    frame of the user code where it happened."""
+    frame of the user code where it happened (outside installed packages where there is one)."""
     text = str(error)
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     first = lines[0].replace("Consider annotating your code using torch._check*(). ", "") if lines else ""
     out = f"{type(error).__name__}: {first}"  # (dynamo's data-dependent guard message starts with that advice)
     out = out if len(out) <= 110 else out[:107] + "..."
     frames = re.findall(r'File "([^"]+)", line (\d+)', text)
-    if frames:
-        out += f" ({os.path.basename(frames[-1][0])}:{frames[-1][1]})"
+    ours = [f for f in frames if "-packages" not in f[0]] or frames
+    if ours:
+        out += f" ({os.path.basename(ours[-1][0])}:{ours[-1][1]})"
     return out.replace("|", "/")
 
 
@@ -322,7 +326,8 @@ def configurations(configs, check_every):
 
 
 def measure_cell(fam, size, pair, inputs, config, config_knobs, settings, device, repeats):
-    """One row of the table: ``fam``'s model against its counterpart in ``config`` (its settings ``config_knobs``)."""
+    """One row of the table: ``fam``'s model against its counterpart in ``config`` (its per-call settings
+    ``config_knobs``, ``--set`` ones included)."""
     model, base = pair
     knobs = {**fam.knobs, **(config_knobs if fam.solver else {})}
     if "fp_check_every" in knobs and not HAS_CHECK_EVERY:
@@ -347,6 +352,7 @@ def header(args, device, size):
             "torch": torch.__version__, "transformers": transformers.__version__, "dtype": args.dtype,
             "size": "tiny" if args.tiny else "gpu", "sizes": dataclasses.asdict(size),
             "compile": compile_settings(device, args.compile_backend), "fp_check_every": HAS_CHECK_EVERY,
+            "set": args.set,
             "repeats": args.repeats,
             "budget_s": args.budget_s}
 
@@ -382,7 +388,8 @@ def print_table(head, rows, cuda):
     print(f"\nbench_gpu, {head['date']}: {head['device']}, torch {head['torch']}, transformers "
           f"{head['transformers']}, {head['dtype']}, sizes {head['size']} {head['sizes']}, compiled = "
           f"torch.compile({', '.join(f'{k}={v!r}' for k, v in head['compile'].items())}), "
-          f"{head['repeats']} repeats" + ("" if head["fp_check_every"] else
+          f"{head['repeats']} repeats" + (f", every solver family with {head['set']}" if head["set"] else "") +
+          ("" if head["fp_check_every"] else
                                           "; no fp_check_every in this version: compiled rows use the defaults") +
           "\n")
     kernels, syncs = ("kernels", "syncs") if cuda else ("aten ops", "host syncs")
@@ -415,8 +422,15 @@ def parse_args(argv):
                    help="torch.compile backend of the compiled configuration (default: inductor with CUDA graphs on "
                         "CUDA, eager on a CPU)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--set", action="append", default=[], metavar="fp_key=value",
+                   help="a per-call fixed-point setting of every solver-family call (repeatable; values parsed as "
+                        "JSON), e.g. --set fp_backward=phantom")
     p.add_argument("--json", default=None, help="also write the header and every cell to this file")
     args = p.parse_args(argv)
+    args.set = parse_set(args.set)
+    unknown = sorted(set(args.set) - set(FP_DEFAULTS))
+    if unknown:
+        raise ValueError(f"--set takes fixed-point settings {sorted(FP_DEFAULTS)}, got {unknown}")
     check_device(args.device)
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
@@ -448,7 +462,7 @@ def main(argv=None):
     torch._dynamo.config.recompile_limit = 64  # one code object (e.g. Llama's forward) serves several models here
     settings, head = compile_settings(device, args.compile_backend), header(args, device, size)
     deadline, pairs, rows = time.perf_counter() + args.budget_s, {}, []
-    configs = configurations(args.configs, args.check_every)
+    configs = {name: {**args.set, **knobs} for name, knobs in configurations(args.configs, args.check_every).items()}
     for config, config_knobs in configs.items():
         for key in args.families:
             fam = FAMILIES[key]
