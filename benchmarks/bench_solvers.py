@@ -701,11 +701,48 @@ def section_profile(p: Problem):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# 6. check_every: the solve loop's own cost on a cheap map against a bare loop of the same evaluations
+# ---------------------------------------------------------------------------------------------------------------------
+
+T7_CHECK = 1.2  # solve with a check every few iterations / bare loop of the same evaluations of f
+
+
+def section_check_every(reps: int, batch: int = 24, dim: int = 320, n_eval: int = 10):
+    """Plain Picard for exactly ``n_eval`` evaluations (a tolerance it does not reach) with ``check_every`` 1, 4, 8
+    and 0 against ``for _ in range(n_eval): z = f(z)``, on ``tanh(z W^T + x)`` (B=24, D=320: one evaluation is about
+    0.15 ms on one quiet CPU thread)."""
+    p = make_problem("a", batch=batch, dim=dim)
+    f = p.f()
+    z0 = torch.zeros(batch, dim)
+
+    def bare():
+        z = z0
+        for _ in range(n_eval):
+            z = f(z)
+        return z
+
+    calls = {"bare loop": bare}
+    for every in (1, 4, 8, 0):
+        calls[f"picard check_every={every}"] = lambda every=every: solve(
+            f, z0, solver="picard", tol=1e-30, max_iter=n_eval, check_every=every)
+    t = bench(calls, reps * 4)
+    base = t["bare loop"]
+    print(f"\n## 6. check_every: plain Picard, {n_eval} evaluations of tanh(z W^T + x) (B={batch}, D={dim}) against a "
+          f"bare loop of the same evaluations; times in ms (min, median of {reps * 4})")
+    print(f"    {'method':28s} {'min ms':>8s} {'med ms':>8s} {'ratio min':>9s} {'ratio med':>9s}")
+    for k in calls:
+        print(f"    {k:28s} {fmt_ms(t[k])} {t[k][0] / base[0]:9.2f} {t[k][1] / base[1]:9.2f}")
+    for every in (4, 8, 0):
+        record("7 check_every", f"picard check_every={every} / bare loop (min)",
+               t[f"picard check_every={every}"][0] / base[0], "<=", T7_CHECK, "{:.2f}x")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer repeats (~2 min)")
     ap.add_argument("--profile", action="store_true", help="also count torch ops per solver iteration")
-    ap.add_argument("--sections", default="0,1,1b,2,3,4,5",
+    ap.add_argument("--sections", default="0,1,1b,2,3,4,5,6",
                     help="comma-separated sections to run (default: all; the op profile is --profile)")
     ap.add_argument("--mem-child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -727,9 +764,9 @@ def main(argv=None):
               "`pip install -c constraints.txt torchdeq==0.1.0` for the comparison rows. They are skipped.")
     problems = {k: make_problem(k) for k in CASES}
     sections = set(a.sections.split(","))
-    unknown = sections - {"0", "1", "1b", "2", "3", "4", "5"}
+    unknown = sections - {"0", "1", "1b", "2", "3", "4", "5", "6"}
     if unknown:
-        raise ValueError(f"--sections has unknown entries {sorted(unknown)}; allowed: 0, 1, 1b, 2, 3, 4, 5.")
+        raise ValueError(f"--sections has unknown entries {sorted(unknown)}; allowed: 0, 1, 1b, 2, 3, 4, 5, 6.")
     refs = section_problems(problems) if sections & {"0", "2"} else {}
     if "1" in sections:
         section_overhead(problems, reps_fast)
@@ -743,6 +780,8 @@ def main(argv=None):
         section_memory(mem_repeats)
     if "5" in sections:
         section_gradients()
+    if "6" in sections:
+        section_check_every(reps_fast)
     if a.profile:
         section_profile(problems["a"])
 

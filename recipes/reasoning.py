@@ -108,10 +108,15 @@ OFFICIAL_CONFIG = {  # --model -> config fields (task-specific ones in OFFICIAL_
             "mlp_multiple_of": 256, "forward_dtype": "bfloat16"},
     "urm": {"num_layers": 4, "puzzle_emb_len": 1, "L_cycles": 6, "fp_max_iter": 6, "halt_exploration_prob": 0.1,
             "mlp_multiple_of": 256, "forward_dtype": "bfloat16"},
+    # FPRM's step size: the configs with a decay per mode (training 0.9, evaluation 0.99, any decrease of the residual
+    # counts; the A5 config has only this form). The single-decay configs (commit 9e0ebf35: 0.99 in both modes, an
+    # improvement counts above 0.01): --model_kwargs '{"fp_solver_kwargs": {"decay": 0.99, "improve_margin": 0.01}}'.
     "fprm": {"num_layers": 2, "puzzle_emb_len": 16, "solve_mode": "official", "fp_solver": "fpopt",
              "fp_norm": "token_linf", "fp_tol": 0.1, "bptt_window": 6, "init_mode": "noise", "init_noise": "truncated",
              "init_std": 6.0, "alpha_1_init": 0.75, "alpha_2_init": 0.25, "fp_eval_max_iter": 1000, "pad_id": None,
-             "halt_exploration_prob": 0.0, "mlp_multiple_of": 256, "forward_dtype": "bfloat16"},
+             "halt_exploration_prob": 0.0, "mlp_multiple_of": 256, "forward_dtype": "bfloat16",
+             "fp_solver_kwargs": {"step_size": 1.0, "patience": 5, "decay": 0.9, "improve_margin": 0.0},
+             "eval_step_decay": 0.99},
 }
 OFFICIAL_TASK_CONFIG = {
     ("trm", "sudoku"): {"L_cycles": 6, "mlp_t": True, "pos_encodings": "none"},  # TRM-MLP, the 87% Sudoku model

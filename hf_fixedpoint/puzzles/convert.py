@@ -39,6 +39,13 @@ SHARED_KEYS = {"embed_tokens.embedding_weight": "model.trunk.input.embed_tokens.
                "L_optimizer.init_vec": "model.y_init", "L_level.conv.weight": "model.conv.conv.weight"}
 # Buffers of the research code that hold no model state (FPRM's weight-dropout masks, sparse-embedding scratch).
 SKIPPED_SUFFIXES = (".mask", "puzzle_emb.local_weights", "puzzle_emb.local_ids")
+# FPRM's step-size fields in the research code's two config versions: one decay for training and evaluation, with a
+# new lowest residual counted only 0.01 below the best (commit 9e0ebf35), or a decay per mode and any decrease
+# counted (e.g. commit 68e118cd).
+SINGLE_DECAY, SINGLE_DECAY_MARGIN = "stepsize_decay", 1e-2
+SPLIT_DECAY = ("stepsize_decay_train", "stepsize_decay_eval")
+STEP_FIELDS = ("stepsize", "decay_patience", SINGLE_DECAY, *SPLIT_DECAY)
+STEP_FIELD_WORDS = ("stepsize", "decay", "patience", "margin")
 
 
 def detect_arch(arch_cfg: dict) -> str:
@@ -105,19 +112,43 @@ def config_from_official(arch: str, cfg: dict, meta: dict):
                       "converted model uses max_iter as a fixed cap.", stacklevel=2)
     conv = {"none": "none", "conv1d": "1d", "conv2d": "2d"}[cfg.get("conv_type", "none")]
     side = math.isqrt(meta["seq_len"])
+    # Training: max_iter supervision steps of n_backwards_L solver steps; evaluation: one solver step per call, for
+    # max_iter_eval calls (max_iter without it).
     window, max_iter = cfg.get("n_backwards_L", cfg.get("L_cycles", 6)), cfg["max_iter"]
-    solver = {"step_size": cfg.get("stepsize", 1.0), "patience": cfg.get("decay_patience", 5),
-              "decay": cfg.get("stepsize_decay_train", 0.9)}
+    solver, eval_decay = _fprm_step_size(cfg)
     return FPRMConfig(**shared, num_layers=cfg["L_layers"], causal=bool(cfg.get("causal", False)),
                       residual_scale="learned" if cfg.get("residual_scale") != "fixed" else "fixed",
                       alpha_1_init=cfg["alpha_1_init"], alpha_2_init=cfg["alpha_2_init"], conv=conv,
                       conv_kernel=cfg.get("conv_kernel_size", 3), grid_shape=[side, side] if conv == "2d" else None,
                       output_norm=cfg.get("norm_placement") == "output", init_std=cfg.get("init_std", 1.0),
                       init_mode="fixed" if cfg.get("fixed_init") else "noise", bptt_window=window,
-                      eval_step_decay=cfg.get("stepsize_decay_eval", 0.99), solve_mode="official", pad_id=None,
+                      eval_step_decay=eval_decay, solve_mode="official", pad_id=None,
                       fp_solver="fpopt", fp_norm="token_linf", fp_tol=cfg.get("fp_thresh", 0.1),
                       fp_solver_kwargs=solver, fp_max_iter=max_iter * window, halt_max_steps=max_iter,
-                      fp_eval_max_iter=cfg.get("max_iter_eval") or max_iter * window, halt_exploration_prob=0.0)
+                      fp_eval_max_iter=cfg.get("max_iter_eval") or max_iter, halt_exploration_prob=0.0)
+
+
+def _fprm_step_size(cfg: dict) -> tuple:
+    """``(fp_solver_kwargs, eval_step_decay)`` of ``fpopt`` for either research-config version (``STEP_FIELDS``);
+    a step-size field of neither version, or fields of both, is an error naming them."""
+    unknown = [k for k in cfg if k not in STEP_FIELDS and not k.endswith("weight_decay")
+               and any(word in k for word in STEP_FIELD_WORDS)]
+    if unknown:
+        raise ValueError(f"the checkpoint's {unknown[0]}={cfg[unknown[0]]!r} has no counterpart here (the research "
+                         f"code's step-size fields: {', '.join(STEP_FIELDS)}).")
+    split = [k for k in SPLIT_DECAY if k in cfg]
+    if SINGLE_DECAY in cfg and split:
+        raise ValueError(f"the checkpoint sets {SINGLE_DECAY} and {' / '.join(split)}: no research version has both "
+                         f"(one decay for both modes, or {' / '.join(SPLIT_DECAY)}).")
+    solver = {"step_size": cfg.get("stepsize", 1.0), "patience": cfg.get("decay_patience", 5)}
+    if SINGLE_DECAY in cfg:
+        decay = cfg[SINGLE_DECAY]
+        return {**solver, "decay": decay, "improve_margin": SINGLE_DECAY_MARGIN}, decay
+    if not split:
+        raise ValueError(f"the checkpoint's config names no step-size decay ({SINGLE_DECAY}, or "
+                         f"{' / '.join(SPLIT_DECAY)}), so the research version that wrote it is unknown.")
+    train, evaluation = (cfg.get(k, default) for k, default in zip(SPLIT_DECAY, (0.9, 0.99)))  # research defaults
+    return {**solver, "decay": train, "improve_margin": 0.0}, evaluation
 
 
 def strip_prefixes(state_dict: dict) -> dict:

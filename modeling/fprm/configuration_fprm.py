@@ -14,6 +14,7 @@ INITS = ("noise", "fixed")
 INIT_NOISES = ("truncated", "normal")
 SOLVE_MODES = ("official", "per_sample")
 WINDOW_SOLVERS = ("fpopt", "picard")
+EVAL_STEP_DECAY = 0.99
 
 # FPRM's solver: damped iteration with patience-based step decay on the per-token relative l-inf residual (the
 # largest over tokens, as in the official code), threshold 0.1.
@@ -59,12 +60,15 @@ class FPRMConfig(FixedPointConfigMixin, PretrainedConfig):
             code) or ``normal``; at evaluation the noise comes from a generator seeded with ``seed`` (one draw shared
             by the batch; the research code draws fresh noise).
         bptt_window: solver steps with gradient per supervision step (truncated BPTT window).
-        eval_step_decay: the ``fpopt`` step-size decay at evaluation (0.99; training uses ``fp_solver_kwargs``).
+        eval_step_decay: the ``fpopt`` step-size decay at evaluation (0.99); training decays by
+            ``fp_solver_kwargs["decay"]`` (``fpopt``'s 0.9 if not given). A ``decay`` in a call's ``fp_solver_kwargs``
+            applies to that call in either mode. Only with ``fp_solver="fpopt"`` (other solvers have no step size).
         solve_mode: ``official`` (the research code): a training call with a carried state runs ``bptt_window``
             solver steps on every puzzle and decides halting after the window (residual below ``fp_tol``, step size
             below ``fpopt``'s ``min_step`` or ``fp_max_iter`` solver steps in all); an evaluation call with a carry
             takes one solver step and halts the whole batch once every puzzle's residual is below ``fp_tol`` (or
-            every step size vanished, or ``fp_eval_max_iter`` steps); a call without a state runs one window from a
+            every step size vanished, or ``fp_eval_max_iter`` steps; a batch with some puzzles converged and the
+            others stalled goes on, as in the research code); a call without a state runs one window from a
             fresh state in training and, at evaluation, steps until the batch halts. The output is the damped
             iterate ``y``. ``per_sample``: a puzzle that converges is frozen inside a window, a call without a
             state is a full ``fixed_point`` solve (any solver and backward mode) that stops per puzzle and returns
@@ -114,7 +118,7 @@ class FPRMConfig(FixedPointConfigMixin, PretrainedConfig):
         init_std: float = 6.0,
         seed: int = 0,
         bptt_window: int = 6,
-        eval_step_decay: float = 0.99,
+        eval_step_decay: float = EVAL_STEP_DECAY,
         conv_skip: bool = False,
         init_noise: str = "truncated",
         solve_mode: str = "official",
@@ -150,6 +154,10 @@ class FPRMConfig(FixedPointConfigMixin, PretrainedConfig):
         check_number(seed, "seed", integer=True)
         check_number(bptt_window, "bptt_window", low=1, integer=True)
         check_number(eval_step_decay, "eval_step_decay", low=0.0, high=1.0, low_open=True, high_open=True)
+        if eval_step_decay != EVAL_STEP_DECAY and self.fp_solver != "fpopt":
+            raise ValueError(f"eval_step_decay={eval_step_decay!r} is fpopt's step-size decay at evaluation; "
+                             f"fp_solver={self.fp_solver!r} has no step size (use fp_solver='fpopt' or leave "
+                             f"eval_step_decay at {EVAL_STEP_DECAY}).")
         if not isinstance(conv_skip, bool):
             raise ValueError(f"conv_skip must be True or False, got {conv_skip!r}.")
         check_choice(init_noise, "init_noise", INIT_NOISES)

@@ -99,17 +99,29 @@ def attention_function(implementation, default):
     return default if implementation in (None, "eager") else ALL_ATTENTION_FUNCTIONS[implementation]
 
 
-def require_dynamic_cache(cache, family: str, reason: str) -> None:
+def is_static_layer(layer) -> bool:
+    """A full-attention ``StaticLayer`` (preallocated keys, its length a device counter), not a sliding window."""
+    from transformers import cache_utils
+
+    static = getattr(cache_utils, "StaticLayer", None)
+    return static is not None and type(layer) is static and torch.is_tensor(getattr(layer, "cumulative_length", None))
+
+
+def require_dynamic_cache(cache, family: str, reason: str, static: bool = False) -> None:
     """Refuse a cache other than a ``DynamicCache`` of ``DynamicLayer`` s (``StaticCache``, ``generate(...,
     cache_implementation="static")``, an offloaded or quantized cache): a ``ValueError`` naming ``family``, the cache
-    it got and ``reason`` (why the family cannot use it), instead of a failure deep inside transformers."""
+    it got and ``reason`` (why the family cannot use it), instead of a failure deep inside transformers. With
+    ``static``, a ``StaticCache`` of full-attention layers is accepted too."""
     from transformers.cache_utils import DynamicCache, DynamicLayer
 
     if cache is None:
         return
+    if static and all(is_static_layer(layer) for layer in cache.layers):
+        return
     if not isinstance(cache, DynamicCache) or not all(isinstance(layer, DynamicLayer) for layer in cache.layers):
-        raise ValueError(f"{family} needs a DynamicCache; got {type(cache).__name__}: {reason}. Use the default cache "
-                         "(generate(..., cache_implementation=None)) or past_key_values=DynamicCache().")
+        also = " or a StaticCache without sliding-window layers" if static else ""
+        raise ValueError(f"{family} needs a DynamicCache{also}; got {type(cache).__name__}: {reason}. Use the default "
+                         "cache (generate(..., cache_implementation=None)) or past_key_values=DynamicCache().")
 
 
 def require_transformers(minimum: str, family: str, reason: str) -> None:
@@ -128,6 +140,7 @@ __all__ = [
     "capture_outputs",
     "create_causal_mask",
     "init",
+    "is_static_layer",
     "pop_cache",
     "require_dynamic_cache",
     "require_transformers",

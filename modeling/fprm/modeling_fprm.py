@@ -10,9 +10,10 @@ below ``min_step`` or at the iteration cap.
 ``solve_mode="official"`` (default) follows the research code:
 * deep supervision (``state`` carried between calls, training): each call runs ``bptt_window`` solver steps on every
   puzzle with gradient from the carried state (truncated BPTT); halting is decided after the window;
-* evaluation: one solver step per call with a carried state, the whole batch halting once every puzzle converged;
-  a call without a state steps until then (in training: one window from a fresh state). The output is the damped
-  iterate ``y``.
+* evaluation: one solver step per call with a carried state (step-size decay ``eval_step_decay``), the whole batch
+  halting once every residual is below ``fp_tol``, or every step size below ``min_step``, or at the cap (a batch
+  with some puzzles converged and the others stalled goes on); a call without a state steps until then (in
+  training: one window from a fresh state). The output is the damped iterate ``y``.
 ``solve_mode="per_sample"``: a call without a state is a full solve with ``fixed_point`` (any solver and backward
 mode, stopping per puzzle, output ``f(y)``); training windows freeze the puzzles that converged.
 Padding positions (``pad_id``) are left out of the ``token_linf`` residual.
@@ -148,15 +149,17 @@ class FPRMModel(FPRMPreTrainedModel):
 
     def _solver(self, fp_overrides):
         """``fixed_point`` arguments; at evaluation every puzzle must converge (``fp_stop_fraction`` is a training
-        rule) and ``fpopt`` decays its step size by ``eval_step_decay``; ``fpopt`` decays only while the residual is
-        at least ``fp_tol`` (the research code's ``fp_thresh``)."""
+        rule) and ``fpopt`` decays its step size by ``eval_step_decay`` (the config's ``fp_solver_kwargs["decay"]``
+        is the training decay; a ``decay`` in a call's ``fp_solver_kwargs`` applies to that call in either mode);
+        ``fpopt`` decays only while the residual is at least ``fp_tol`` (the research code's ``fp_thresh``)."""
         kw = fixed_point_kwargs(self.config, self.training, fp_overrides)
         if kw["solver"] == "fpopt":
             kw["solver_kwargs"] = {"threshold": kw["tol"], **(kw["solver_kwargs"] or {})}
         if not self.training:
             kw["stop_fraction"] = 0.0
             if kw["solver"] == "fpopt":
-                kw["solver_kwargs"] = {"decay": self.config.eval_step_decay, **kw["solver_kwargs"]}
+                call = (fp_overrides or {}).get("fp_solver_kwargs") or {}
+                kw["solver_kwargs"]["decay"] = call.get("decay", self.config.eval_step_decay)
         return kw
 
     def residual_mask(self, input_ids):
@@ -215,8 +218,9 @@ class FPRMModel(FPRMPreTrainedModel):
 
     def _official(self, x, state, kw, mask, until_halt):
         """The research code's steps: a training window of ``bptt_window`` steps on every puzzle, halting decided
-        after it; at evaluation one step (or, ``until_halt``, steps until the batch halts), the batch halting at
-        once. Returns the dict ``inner`` returns, with the damped iterate as ``h``."""
+        after it per puzzle; at evaluation one step (or, ``until_halt``, steps until the batch halts), the whole
+        batch halting once every residual is below ``fp_tol``, or every step size is below ``min_step``, or at the
+        cap. Returns the dict ``inner`` returns, with the damped iterate as ``h``."""
         algo = self._window_solver(kw, state)
         y, total = state["y"], state["iterations"]
         n = self.config.bptt_window if self.training else (kw["max_iter"] if until_halt else 1)
@@ -225,9 +229,13 @@ class FPRMModel(FPRMPreTrainedModel):
             y, _, res = self._step(algo, y, x, kw, mask, k)
             halted = algo.halted()
             stalled = torch.zeros_like(res, dtype=torch.bool) if halted is None else halted
-            done = (res < kw["tol"]) | stalled | (total + k >= kw["max_iter"])
-            if not self.training and (bool(done.all()) or not until_halt):
-                break
+            capped = total + k >= kw["max_iter"]
+            if self.training:
+                done = (res < kw["tol"]) | stalled | capped
+            else:  # a batch with some puzzles converged and the others stalled goes on, as in the research code
+                done = capped | (res < kw["tol"]).all() | stalled.all()
+                if bool(done.all()) or not until_halt:
+                    break
         used = torch.full_like(total, k)
         stats = FixedPointStats(nstep=used, residual=res, converged=res < kw["tol"], nfe=k, solver=kw["solver"],
                                 tol=kw["tol"], stop_mode=kw["stop_mode"])
@@ -236,8 +244,8 @@ class FPRMModel(FPRMPreTrainedModel):
                          **{f"solver_{key}": v.detach() for key, v in algo.state.items()}}}
         if self.training:
             out["done"] = done
-        else:  # the whole batch halts together
-            out["halt"] = done.all().expand_as(done)
+        else:  # the whole batch halts together (puzzles evaluated together have taken the same number of steps)
+            out["halt"] = done
         return out
 
     def _window(self, x, state, kw, mask):

@@ -53,6 +53,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .fp_backward import fixed_point
+from .fp_compat import is_static_layer
 from .fp_fpsa_settings import HALT_UNITS, HALTING_MODES, JAC_NORMS, STEP_NORMS, UPDATE_FORMS
 from .fp_fpsa_stats import FPSAResult
 from .fp_halting import ACTAccumulator
@@ -500,24 +501,27 @@ def fpsa_decoder_attention(
     cos, sin = position_embeddings
     cos, sin = cos.expand(B, *cos.shape[1:]), sin.expand(B, *sin.shape[1:])  # batch-first for the compact solver
     value = heads(module.v_proj(hidden_states))
-    past_key = None
+    past_key = slots = None
     if cache is not None:
         # Write the new values and placeholder keys now; the cache returns what the mask was built for (earlier
-        # tokens, possibly cut to a sliding window, then the new ones).
+        # tokens, possibly cut to a sliding window, then the new ones; a static cache: its whole buffer).
         keys, values = cache.update(torch.zeros_like(value), value.detach(), module.layer_idx)
+        slots = _static_slots(cache.layers[module.layer_idx], T)
         n_past = keys.shape[-2] - T
-        if n_past > 0:
-            past_key = keys[:, :, :n_past]
+        if slots is not None or n_past > 0:
+            past_key = keys if slots is not None else keys[:, :, :n_past]
             if torch.is_grad_enabled():  # the placeholders are overwritten in place below
                 past_key = past_key.clone()
-            value = torch.cat([values[:, :, :n_past], value], dim=2)
+            value = values if slots is not None else torch.cat([values[:, :, :n_past], value], dim=2)
 
     def query(z, c, s, *past):
         return rope(heads(module.q_proj(z)), c, s)
 
     def key(z, c, s, *past):
         k = rope(heads(module.k_proj(z)), c, s)
-        return torch.cat([past[0], k], dim=2) if past else k
+        if not past:
+            return k
+        return torch.cat([past[0], k], dim=2) if slots is None else past[0].index_copy(2, slots, k.to(past[0].dtype))
 
     opts = FPSAOptions.resolve(options, **option_changes, dropout=module.attention_dropout if module.training else 0.0,
                                return_state=cache is not None)
@@ -527,16 +531,28 @@ def fpsa_decoder_attention(
         residual=residual, norm=norm, extra=(cos, sin) + ((past_key,) if past_key is not None else ()),
         log_temperature=log_temperature, attention_kwargs=attention_kwargs, options=opts)
     if cache is not None:
-        _store_converged_keys(cache, module, lambda: rope(heads(module.k_proj(result.state)), cos, sin), T)
+        _store_converged_keys(cache, module, lambda: rope(heads(module.k_proj(result.state)), cos, sin), T, slots)
     return module.o_proj(result.output), result
 
 
+def _static_slots(layer, T):
+    """The positions of the ``T`` new tokens in a static cache layer that has just stored them (a device tensor:
+    no host read), or None for a dynamic layer, where they are its last ``T`` slots."""
+    if not is_static_layer(layer):
+        return None
+    return layer.cumulative_length - T + torch.arange(T, device=layer.keys.device)
+
+
 @torch.no_grad()
-def _store_converged_keys(cache, module, final_keys: Callable, T):
-    """Overwrite the placeholder keys of the new tokens (the last ``T`` slots, fewer if a sliding window cut them)
-    with ``final_keys()``, the keys of their final iterate (computed here, without gradients)."""
+def _store_converged_keys(cache, module, final_keys: Callable, T, slots=None):
+    """Overwrite the placeholder keys of the new tokens (the last ``T`` slots, fewer if a sliding window cut them;
+    ``slots`` in a static cache) with ``final_keys()``, the keys of their final iterate (computed here, without
+    gradients)."""
     final_key = final_keys()
     stored = cache.layers[module.layer_idx].keys
+    if slots is not None:
+        stored.index_copy_(2, slots, final_key.to(stored.dtype))
+        return
     n = min(T, stored.shape[-2])
     stored[:, :, stored.shape[-2] - n:] = final_key[:, :, T - n:].to(stored.dtype)
 

@@ -96,18 +96,21 @@ class FPOpt(_Solver):
         decay: multiplicative decay in (0, 1) (FPRM: 0.9 in training, 0.99 at evaluation).
         min_step: entries halt once their step size is below this (>= 0).
         threshold: no decay while the residual is below this (>= 0; FPRM: its ``fp_thresh``, 0.1).
+        improve_margin: a residual counts as a new lowest only when ``res < best - improve_margin`` (>= 0; 0: any
+            decrease; the FPRM research code at commit 9e0ebf35 uses 0.01, so a slow drift loses patience).
     """
 
     def __init__(self, step_size: float = 1.0, patience: int = 5, decay: float = 0.9, min_step: float = 1e-3,
-                 threshold: float = 0.0):
+                 threshold: float = 0.0, improve_margin: float = 0.0):
         super().__init__()
         check_number(step_size, "step_size", low=0.0, high=1.0, low_open=True)
         check_number(patience, "patience", low=1, integer=True)
         check_number(decay, "decay", low=0.0, high=1.0, low_open=True, high_open=True)
         check_number(min_step, "min_step", low=0.0)
         check_number(threshold, "threshold", low=0.0)
+        check_number(improve_margin, "improve_margin", low=0.0)
         self.step_size, self.patience, self.decay, self.min_step = float(step_size), patience, float(decay), min_step
-        self.threshold = float(threshold)
+        self.threshold, self.improve_margin = float(threshold), float(improve_margin)
         self._res = None
 
     def init(self, z):
@@ -127,7 +130,7 @@ class FPOpt(_Solver):
         out = z + st["s"] * gz
         res, self._res = self._res, None
         if res is not None:
-            improved = res < st["best"]
+            improved = res < (st["best"] - self.improve_margin if self.improve_margin else st["best"])
             st["best"] = torch.where(improved, res, st["best"])
             patience = torch.where(improved, self.patience, st["patience"] - 1)
             decay = (patience <= 0) & (res >= self.threshold)
@@ -559,7 +562,7 @@ def solve(f: Callable, z0: torch.Tensor, *, args: Sequence = (), options: Option
         residual = z0.new_zeros(entry_shape, dtype=torch.promote_types(z0.dtype, torch.float32))
         return z0.detach().clone(), FixedPointStats(empty, residual, empty.bool(), 0, opts.solver, opts.tol,
                                                      opts.stop_mode, options=opts)
-    loop = _SolveLoop if opts.check_every == 1 else _MaskedSolveLoop
+    loop = _SolveLoop if opts.check_every else _MaskedSolveLoop
     with torch.no_grad():
         return loop(f, z0, tuple(args), opts, row_mask, residual_fn).run()
 
@@ -590,6 +593,9 @@ class _SolveLoop:
                                  f"norm={opts.norm!r}.")
             self.rmask = row_mask.reshape(self.G, -1).bool()
         self.algo = SOLVERS.get(opts.solver)(**(opts.solver_kwargs or {}))
+        self.algo.host_reads = opts.check_every == 1
+        # Plain Picard needs no residual between checks (its step is f(z)); the other solvers use g = f(z) - z.
+        self.needs_gz = not (type(self.algo) is Picard and self.algo.damping == 1.0)
         self.observe = getattr(self.algo, "observe", None)
         self.halts = type(self.algo).halted is not _Solver.halted  # a solver that can give up on entries
         self.flat = tuple(shape) == (self.G, self.d)  # f takes the (rows, d) working state as it is
@@ -620,10 +626,13 @@ class _SolveLoop:
 
     def run(self):
         opts, algo = self.opts, self.algo
-        tol, min_iter, max_iter = opts.tol, opts.min_iter, opts.max_iter
+        tol, min_iter, max_iter, every = opts.tol, opts.min_iter, opts.max_iter, opts.check_every
         evaluate, reduce = self._evaluate, self._reduce  # bound once: a small problem pays for every lookup
         k = 0
         for k in range(1, max_iter + 1):
+            if every > 1 and k % every and k < max_iter:  # between checks: f and the update only
+                self._step_unchecked(k)
+                continue
             fz, gz, res = evaluate()
             lo, halted, key = reduce(res, fz)
             if lo != lo:  # NaN propagates through the reduction
@@ -642,23 +651,30 @@ class _SolveLoop:
                 self.z = torch.where(self.frozen, self.out, self.z)
         return self._result(k, fz, res)
 
-    def _evaluate(self):
-        """One evaluation of ``f`` on the working rows: ``(f(z), f(z) - z, residual)``, all ``(rows, ...)``."""
+    def _active(self):
+        """``f``'s ``active=`` with ``pass_active``: the open entries, None while every entry is open."""
+        return None if self.done is None else (~self.done).view(self.wshape[:self.opts.batch_dims])
+
+    def _call_f(self):
+        """``f`` of the working rows, ``(rows, d)``."""
         z, wshape = self.z, self.wshape
-        extra = {}
-        if self.opts.pass_active:
-            extra["active"] = None if self.done is None else (~self.done).view(wshape[:self.opts.batch_dims])
+        extra = {"active": self._active()} if self.opts.pass_active else {}
         fz = self.f(z if self.flat else z.view(wshape), *self.wargs, **extra)
         if fz.shape != wshape:
             self._raise_shape(fz)
-        if not self.flat:
-            fz = fz.reshape(z.shape)
+        return fz if self.flat else fz.reshape(z.shape)
+
+    def _evaluate(self):
+        """One evaluation of ``f`` on the working rows: ``(f(z), f(z) - z, residual)``, all ``(rows, ...)``."""
+        z, wshape = self.z, self.wshape
+        fz = self._call_f()
         gz = fz - z
         if self.plain:
             return fz, gz, self._plain_residual(gz, fz)
         if self.residual_fn is None:
             res = _residual(gz, fz, self.opts.stop_mode, self.opts.norm, self.row_size, self.rmask, self.acc, self.eps)
         else:
+            extra = {"active": self._active()} if self.opts.pass_active else {}
             res = self.residual_fn(fz.view(wshape), z.view(wshape), *self.wargs, **extra).reshape(-1)
         if self.observe is not None:
             self.observe(res)
@@ -668,6 +684,21 @@ class _SolveLoop:
                 res if self.done is None else res.masked_fill(self.done, math.nan))
             self.trace.append(row)
         return fz, gz, res
+
+    def _step_unchecked(self, k):
+        """A step between two checks (``check_every > 1``): no host read, and no residual unless the solver
+        records residuals (``fpopt``) or the trace keeps them."""
+        z = self.z
+        if self.observe is not None or self.trace is not None:
+            fz, gz, _ = self._evaluate()
+        else:
+            fz = self._call_f()
+            gz = fz - z if self.needs_gz else None
+        self.z = self.algo.step(z, fz, gz, k)
+        if self.done is not None and self.freeze:
+            if self.frozen is None:
+                self.frozen = self.done[:, None]
+            self.z = torch.where(self.frozen, self.out, self.z)
 
     def _plain_residual(self, gz, fz):
         """The l2 residual with the done rows already at +inf: one op (``addcdiv``) instead of a division here and
@@ -867,81 +898,52 @@ class _SolveLoop:
 
 
 class _MaskedSolveLoop(_SolveLoop):
-    """The loop of ``check_every != 1``: no host read between checks.
+    """The loop of ``check_every=0``: no host read until the loop has run ``max_iter`` evaluations.
 
-    The convergence state is settled on the device by masks at every ``check_every``-th iteration (every iteration
-    for 0) and at the last one: entries below the tolerance (or halted by the solver, or stopped by ``stop_fraction``)
-    are recorded and frozen, the best iterate is updated, and the largest residual of the open entries is kept so a
-    NaN or Inf shows. With ``check_every = k > 0`` the host reads one pair of numbers at each settlement (every entry
-    done? any non-finite?) and stops or raises; with 0 it reads once, after the loop. Between settlements a step
-    is ``f`` and the solver's update only (plus the freeze of entries finished earlier), so a small problem pays the
-    bookkeeping once per ``k`` evaluations.
+    After every evaluation the convergence state is settled on the device by masks: entries below the tolerance (or
+    halted by the solver, or stopped by ``stop_fraction``) are recorded and frozen, the best iterate is updated, and
+    the largest residual each open entry had is kept, so a NaN or Inf shows in the one read after the loop.
     """
 
     def __init__(self, *args):
         super().__init__(*args)
-        self.algo.host_reads = False
         G, dev = self.G, self.z.device
         self.done = torch.zeros(G, dtype=torch.bool, device=dev)
         self.conv = torch.zeros_like(self.done)
         self.nstep = torch.zeros(G, dtype=torch.long, device=dev)
-        self.worst = None  # the largest residual of the open entries so far (NaN / Inf propagate)
-        self.settled = False  # whether any settlement ran (before it nothing is frozen)
-        # Plain Picard needs no residual between settlements (its step is f(z)); the other solvers use g = f(z) - z.
-        self.needs_gz = not (type(self.algo) is Picard and self.algo.damping == 1.0)
-        self.every_step = self.observe is not None or self.trace is not None  # they need a residual every step
+        self.worst = None  # per entry, the largest residual while open (NaN / Inf propagate)
 
     def run(self):
-        opts = self.opts
-        every, max_iter, k = opts.check_every, opts.max_iter, 0
-        period = every or 1
+        max_iter, k = self.opts.max_iter, 0
         for k in range(1, max_iter + 1):
-            settle = k % period == 0 or k == max_iter
-            fz, gz, res = self._evaluate_masked(settle or self.every_step, settle or self.needs_gz)
-            if settle:
-                self._settle_masked(k, fz, res)
-                if every and self._check(k):
-                    break
+            fz = self._call_f()
+            gz = fz - self.z
+            res = self._masked_residual(fz, gz)
+            self._settle_masked(k, fz, res)
             if k == max_iter:
                 break
-            self.z = self.algo.step(self.z, fz, gz, k)
-            if self.settled and self.freeze:
-                self.z = torch.where(self.frozen, self.out, self.z)
-        if not every:
-            self._check(k)
+            self.z = torch.where(self.frozen, self.out, self.algo.step(self.z, fz, gz, k))
+        self._check(k)
         return self._result(k, fz, res)
 
-    def _evaluate_masked(self, want_res, want_gz):
-        """``(f(z), f(z) - z or None, residual or None)`` on every row."""
-        z, extra = self.z, {}
-        if self.opts.pass_active:
-            extra["active"] = (~self.done).view(self.shape[:self.opts.batch_dims]) if self.settled else None
-        fz = self.f(z if self.flat else z.view(self.shape), *self.args, **extra)
-        if fz.shape != self.shape:
-            self._raise_shape(fz)
-        if not self.flat:
-            fz = fz.reshape(z.shape)
-        if not (want_res or want_gz):
-            return fz, None, None
-        gz = fz - z
-        if not want_res:
-            return fz, gz, None
+    def _masked_residual(self, fz, gz):
         if self.residual_fn is None:
             res = _residual(gz, fz, self.opts.stop_mode, self.opts.norm, self.row_size, self.rmask, self.acc, self.eps)
         else:
-            res = self.residual_fn(fz.view(self.shape), z.view(self.shape), *self.args, **extra).reshape(-1)
+            extra = {"active": self._active()} if self.opts.pass_active else {}
+            res = self.residual_fn(fz.view(self.shape), self.z.view(self.shape), *self.args, **extra).reshape(-1)
         if self.observe is not None:
             self.observe(res)
         if self.trace is not None:
             self.trace.append(res.masked_fill(self.done, math.nan))
-        return fz, gz, res
+        return res
 
     def _settle_masked(self, k, fz, res):
         """Device ops only: record and freeze the entries that finish at step ``k``, update the best iterate."""
         opts, done = self.opts, self.done
         if self.tol_t is None:
             self.tol_t = torch.full((), opts.tol, dtype=res.dtype, device=res.device)
-        worst = torch.where(done, self.zero_t, res)  # per entry: NaN / Inf of an open entry propagate
+        worst = torch.where(done, self.zero_t, res)
         self.worst = worst if self.worst is None else torch.maximum(self.worst, worst)
         if opts.return_mode == "best":
             if self.best is None:
@@ -969,29 +971,22 @@ class _MaskedSolveLoop(_SolveLoop):
             self.out_res = torch.where(newly_stopped, src_res, self.out_res)
             self.nstep = self.nstep.masked_fill(newly_stopped, k)
             done = done | newly_stopped
-        self.done, self.frozen, self.settled = done, done[:, None], True
+        self.done, self.frozen = done, done[:, None]
 
-    def _check(self, k) -> bool:
-        """The host read: raise on a non-finite residual of an open entry; True once every entry is done. Inside a
-        ``torch.compile`` graph (``check_every=0``) a device-side assert replaces the read."""
-        finite = torch.isfinite(self.worst.amax())
+    def _check(self, k):
+        """The one host read, after the loop: a non-finite residual of an open entry raises. Inside a
+        ``torch.compile`` graph a device-side assert replaces the read."""
+        finite = self.worst.amax() < self.inf_t  # False for NaN and Inf
         if torch.compiler.is_compiling():
             torch._assert_async(finite, "fixed-point solve produced NaN/Inf (NonFiniteError; check_every=0)")
-            return False
-        state = int((finite.logical_not() * 2 + self.done.all()).item())  # one read: 2 if non-finite, 1 if all done
-        if state >= 2:
-            self._raise_nonfinite_masked(k)
-        return state == 1
-
-    def _raise_nonfinite_masked(self, k):
-        bad = (~torch.isfinite(self.worst)).nonzero()[:, 0] // self.gps
-        bad = sorted({int(i) for i in bad.tolist()})
-        raise NonFiniteError(
-            f"fixed-point solve ({self.opts.solver}) produced NaN/Inf by iteration {k} (check_every="
-            f"{self.opts.check_every}) for samples {bad[:20]}{' ...' if len(bad) > 20 else ''} (of {self.B}). Lower "
-            f"the learning rate, add damping or a stability regularizer, or check the inputs."
-        )
-
+        elif not finite.item():
+            bad = (~(self.worst < self.inf_t)).nonzero()[:, 0] // self.gps
+            bad = sorted({int(i) for i in bad.tolist()})
+            raise NonFiniteError(
+                f"fixed-point solve ({self.opts.solver}) produced NaN/Inf by iteration {k} (check_every=0: checked "
+                f"after the loop) for samples {bad[:20]}{' ...' if len(bad) > 20 else ''} (of {self.B}). Lower the "
+                f"learning rate, add damping or a stability regularizer, or check the inputs."
+            )
 
 __all__ = ["NORMS", "OPTION_NAMES", "RETURN_MODES", "SOLVERS", "STOP_MODES", "SolveOptions", "resolve_options",
            "solve", "solver_kwargs_check"]

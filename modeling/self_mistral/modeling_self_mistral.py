@@ -58,7 +58,8 @@ def apply_rope(t, cos, sin):
 
 def check_cache(cache) -> None:
     require_dynamic_cache(cache, "SELF models", "after each layer's solve the new tokens' converged keys replace "
-                          "placeholders at the end of the layer's growing key tensor (fp_fpsa.fpsa_decoder_attention)")
+                          "placeholders at their slots of the layer's key tensor (fp_fpsa.fpsa_decoder_attention), "
+                          "which a sliding-window static layer rolls", static=True)
 
 
 class SelfMistralAttention(MistralAttention):

@@ -252,9 +252,10 @@ def test_fpopt_decays_step_and_halts_on_oscillation():
     assert bool(s.converged.all()) or int(s.nstep.max()) < 500
 
 
-def official_fpopt(f, y, steps, s0=1.0, patience=5, decay=0.9, thresh=0.0):
+def official_fpopt(f, y, steps, s0=1.0, patience=5, decay=0.9, thresh=0.0, margin=0.0):
     """FPRM's FixedPointOptimizer, written out: residual of y, step with the current size, then the patience /
-    decay bookkeeping (the decay acts from the next step on, and only while the residual is >= thresh)."""
+    decay bookkeeping (the decay acts from the next step on, and only while the residual is >= thresh; a new lowest
+    residual must lie ``margin`` below the best, 0.01 at the research code's commit 9e0ebf35)."""
     s = torch.full((y.shape[0], 1), s0, dtype=y.dtype)
     best = torch.full((y.shape[0],), math.inf, dtype=y.dtype)
     pat = torch.full((y.shape[0],), float(patience), dtype=y.dtype)
@@ -262,7 +263,7 @@ def official_fpopt(f, y, steps, s0=1.0, patience=5, decay=0.9, thresh=0.0):
         fy = f(y)
         res = (y - fy).abs().amax(-1) / (fy.abs().amax(-1) + 1e-9)
         y = s * fy + (1 - s) * y
-        improved = res < best
+        improved = res < best - margin
         best = torch.where(improved, res, best)
         pat = torch.where(improved, float(patience), pat - 1)
         adapt = (pat <= 0) & (res >= thresh)
@@ -288,6 +289,27 @@ def test_fpopt_steps_with_the_old_step_size_then_decays_float64(thresh):
         z_last = torch.linalg.solve(A, out.T).T
         torch.testing.assert_close(z_last, official_fpopt(f, z0, K - 1, patience=1, decay=0.5, thresh=thresh),
                                    rtol=1e-12, atol=1e-12)
+
+
+def test_fpopt_improve_margin_counts_only_clear_improvements_float64():
+    # A slow contraction: the relative residual falls by less than 0.05 per step, so with improve_margin=0.05 every
+    # step after the first loses patience and the step size halves; with the default any decrease counts.
+    A = torch.tensor([[0.97, 0.1], [-0.1, 0.97]], dtype=torch.float64)
+    f = lambda z: z @ A.T + 1.0
+    z0 = torch.tensor([[5.0, -3.0], [0.5, 2.0]], dtype=torch.float64)
+    for margin in (0.0, 0.05):
+        kw = {"patience": 1, "decay": 0.5, "min_step": 0.0, "improve_margin": margin}
+        for K in (2, 5, 9):
+            out, _ = solve(f, z0, solver="fpopt", tol=1e-12, stop_mode="rel", norm="linf", max_iter=K,
+                           return_mode="last", solver_kwargs=kw)
+            z_last = torch.linalg.solve(A, (out - 1.0).T).T
+            ref = official_fpopt(f, z0, K - 1, patience=1, decay=0.5, margin=margin)
+            torch.testing.assert_close(z_last, ref, rtol=1e-12, atol=1e-12)
+    # the margin changes the iterates (the test above would notice it being ignored)
+    assert not torch.allclose(official_fpopt(f, z0, 8, patience=1, decay=0.5, margin=0.05),
+                              official_fpopt(f, z0, 8, patience=1, decay=0.5), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"improve_margin=-0.01 is out of range; allowed values lie in \[0.0, inf\)"):
+        solve(f, z0, solver="fpopt", solver_kwargs={"improve_margin": -0.01})
 
 
 def test_fpopt_halts_entries_whose_step_vanishes():

@@ -195,21 +195,17 @@ def fprm_state():
     return sd
 
 
-@pytest.mark.parametrize("pos", ["rope", "learned"])
-def test_fprm_checkpoint_equals_the_research_map_float64(pos, tmp_path):
-    sd = fprm_state()
-    if pos == "learned":
-        sd["embed_pos.embedding_weight"] = rand(2 + SEQ, D)
-    model = convert(compiled(sd), {"arch": {**FPRM_CFG, "pos_encodings": pos}}, META).double()
-    ids, pids = batch()
+def fprm_map(sd, x, pos="rope"):
+    """The research code's FixedPointTransformer on the injection ``x``: the conv replaces the grid, then the scaled
+    pre-norm blocks."""
     a1, a2 = torch.sigmoid(sd["L_level.alpha_1_param"]), torch.sigmoid(sd["L_level.alpha_2_param"])
     b2 = 1 - a2 * a1**4
     b1 = b2 * (1 - a1) / (1 - a1**4 + 1e-5)
-    x = embed(sd, ids, pids, 2)
 
-    def f(y):  # the research code's FixedPointTransformer: the conv replaces the grid, then scaled pre-norm blocks
-        grid = y[:, 2:].reshape(4, 3, 3, D).permute(0, 3, 1, 2)
-        grid = F.conv2d(grid, sd["L_level.conv.weight"], padding=1, groups=D).permute(0, 2, 3, 1).reshape(4, 9, D)
+    def f(y):
+        B = y.shape[0]
+        grid = y[:, 2:].reshape(B, 3, 3, D).permute(0, 3, 1, 2)
+        grid = F.conv2d(grid, sd["L_level.conv.weight"], padding=1, groups=D).permute(0, 2, 3, 1).reshape(B, 9, D)
         h = a2 * torch.cat([y[:, :2], grid], 1) + b2 * x
         for i in range(2):
             p = f"L_level.layers.{i}."
@@ -217,6 +213,17 @@ def test_fprm_checkpoint_equals_the_research_map_float64(pos, tmp_path):
             h = a1 * h + b1 * swiglu(sd, p + "mlp.", rms(h))
         return h
 
+    return f
+
+
+@pytest.mark.parametrize("pos", ["rope", "learned"])
+def test_fprm_checkpoint_equals_the_research_map_float64(pos, tmp_path):
+    sd = fprm_state()
+    if pos == "learned":
+        sd["embed_pos.embedding_weight"] = rand(2 + SEQ, D)
+    model = convert(compiled(sd), {"arch": {**FPRM_CFG, "pos_encodings": pos}}, META).double()
+    ids, pids = batch()
+    f = fprm_map(sd, embed(sd, ids, pids, 2), pos)
     y = rand(4, SEQ + 2, D, std=2.0)
     with torch.no_grad():
         torch.testing.assert_close(model.model.step_map(y, model.model.trunk.embed(ids, pids)), f(y), rtol=1e-10,
@@ -228,7 +235,8 @@ def test_fprm_checkpoint_equals_the_research_map_float64(pos, tmp_path):
     c = model.config  # max_iter supervision steps of n_backwards_L solver steps; the research code's solver
     assert (c.halt_max_steps, c.fp_max_iter, c.bptt_window, c.fp_eval_max_iter, c.fp_tol) == (12, 72, 6, 1000, 0.1)
     assert (c.solve_mode, c.conv, c.grid_shape, c.init_std, c.pad_id) == ("official", "2d", [3, 3], 6.0, None)
-    assert c.fp_solver_kwargs == {"step_size": 1.0, "patience": 5, "decay": 0.9} and c.eval_step_decay == 0.99
+    assert c.fp_solver_kwargs == {"step_size": 1.0, "patience": 5, "decay": 0.9, "improve_margin": 0.0}
+    assert c.eval_step_decay == 0.99
 
 
 def test_command_line_and_refusals(tmp_path):
@@ -254,3 +262,144 @@ def test_command_line_and_refusals(tmp_path):
         convert(compiled(sd), {"arch": FPRM_CFG})
     with pytest.raises(ValueError, match="cannot tell the family"):
         convert(compiled(sd), {"arch": {**FPRM_CFG, "name": "mystery@Model"}}, META)
+
+
+def restart_rand():
+    """Restart ``rand``'s draws, so that a test gets the same tensors whichever tests ran before it."""
+    rand.__kwdefaults__["seed"][0] = 0
+
+
+def research_decay_and_margin(cfg, training):
+    """The research optimizer's decay and improvement margin: the single-decay version (``stepsize_decay``, commit
+    9e0ebf35) decays by it in training and evaluation and counts a new lowest residual only ``1e-2`` below the best;
+    the train/eval-split version (``stepsize_decay_train`` / ``_eval``) picks by mode and counts any decrease."""
+    if "stepsize_decay" in cfg:
+        return cfg["stepsize_decay"], 1e-2
+    return cfg["stepsize_decay_train" if training else "stepsize_decay_eval"], 0.0
+
+
+def research_residual(y, fy):
+    return ((y - fy).abs().amax(-1) / (fy.abs().amax(-1) + 1e-8)).amax(-1)
+
+
+def research_eval_call(f, st, cfg, call):
+    """One evaluation call of the research code: ``FixedPointOptimizer.step`` once, then the batch-wide halting of
+    ``FixedPointReasoningModel_ACTV1.forward`` (every residual below ``fp_thresh``, every step size below 1e-3, or
+    ``max_iter_eval`` calls)."""
+    decay, margin = research_decay_and_margin(cfg, training=False)
+    fy = f(st["y"])
+    res = research_residual(st["y"], fy)
+    st["y"] = fy * st["s"] + st["y"] * (1 - st["s"])
+    improved = res < st["best"] - margin
+    st["best"] = torch.where(improved, res, st["best"])
+    st["pat"] = torch.where(improved, cfg["decay_patience"], st["pat"] - 1)
+    adapt = (st["pat"] <= 0) & (res >= cfg["fp_thresh"])
+    st["pat"] = torch.where(adapt, cfg["decay_patience"], st["pat"])
+    # The research code multiplies by torch.where(adapt, decay, 1), a float32 tensor: its step sizes carry float32
+    # rounding (1e-8 relative), left out here so that the float64 comparison stays tight.
+    st["s"] = torch.where(adapt[:, None, None], st["s"] * decay, st["s"])
+    halted = (call >= cfg["max_iter_eval"]) | (res.max() < cfg["fp_thresh"]) | (st["s"].max() < 1e-3)
+    return st, res, halted.expand(res.shape[0])
+
+
+def research_fresh(y, cfg):
+    B = y.shape[0]
+    return {"y": y, "s": torch.full((B, 1, 1), cfg["stepsize"], dtype=y.dtype),
+            "best": torch.full((B,), math.inf, dtype=y.dtype), "pat": torch.full((B,), float(cfg["decay_patience"]))}
+
+
+SPLIT = {"stepsize_decay_train": 0.5, "stepsize_decay_eval": 0.8}  # the train/eval-split version's fields
+SINGLE = {"stepsize_decay": 0.8}  # the single-decay version's field (commit 9e0ebf35)
+
+
+def research_cfg(version, **fields):
+    cfg = {k: v for k, v in FPRM_CFG.items() if not k.startswith("stepsize_decay")}
+    return {**cfg, **(SPLIT if version == "split" else SINGLE), **fields}
+
+
+@pytest.mark.parametrize("version", ["split", "single"])
+def test_fprm_evaluation_follows_the_research_run_float64(version):
+    # Evaluation decays the step size by the run's evaluation decay (not the training one) and, in the single-decay
+    # version, counts a new lowest residual only 0.01 below the best: step sizes, iterates and halting per call.
+    restart_rand()
+    sd = fprm_state()
+    sd["L_level.conv.weight"] = sd["L_level.conv.weight"] * 2.0  # a map where the margin changes decisions (below)
+    cfg = research_cfg(version, decay_patience=2, fp_thresh=1e-3, max_iter_eval=15)
+    model = convert(compiled(sd), {"arch": cfg}, META).double().eval()
+    ids, pids = batch()
+    with torch.no_grad():
+        f = fprm_map(sd, embed(sd, ids, pids, 2))
+        y0 = model.model.fresh_state(4, "cpu", SEQ)["y"]  # the start noise is seeded here, drawn afresh there
+        st, other = research_fresh(y0, cfg), research_fresh(y0, cfg)
+        # the other rule: the training decay (split version) or no margin (single version)
+        other_cfg = {k: v for k, v in cfg.items() if k != "stepsize_decay"}
+        other_cfg["stepsize_decay_eval"] = 0.5 if version == "split" else 0.8
+        carry, differed = model.initial_carry(4), False
+        for call in range(1, 16):
+            out = model(ids, pids, carry=carry)
+            carry = out.carry
+            st, res, halted = research_eval_call(f, st, cfg, call)
+            other, _, _ = research_eval_call(f, other, other_cfg, call)
+            differed |= not torch.equal(st["s"], other["s"])
+            torch.testing.assert_close(carry["state"]["y"], st["y"], rtol=1e-8, atol=1e-8)
+            torch.testing.assert_close(carry["state"]["solver_s"].view(-1), st["s"].view(-1), rtol=1e-12, atol=0)
+            torch.testing.assert_close(out.fp_stats.residual, res.float(), rtol=1e-6, atol=1e-6)
+            assert carry["halted"].tolist() == halted.tolist()
+            if bool(halted.all()):
+                break
+    assert call == 15 and (st["s"] < 1).any() and differed  # decays happened, and the other rule's differ
+
+
+def test_fprm_evaluation_halts_the_batch_by_the_research_rule_float64():
+    # Two puzzles below fp_thresh, two whose step size falls below 1e-3 at the first call: the research code goes
+    # on (not every residual is small, not every step size vanished) until its cap of max_iter_eval calls.
+    restart_rand()
+    sd = fprm_state()
+    ids, pids = batch()
+    base = convert(compiled(sd), {"arch": FPRM_CFG}, META).double().eval()
+    with torch.no_grad():
+        f = fprm_map(sd, embed(sd, ids, pids, 2))
+        y0 = base.model.fresh_state(4, "cpu", SEQ)["y"]
+        res0 = research_residual(y0, f(y0))
+    thresh = float(res0.sort().values[1:3].mean())
+    cfg = {**FPRM_CFG, "fp_thresh": thresh, "stepsize_decay_eval": 0.5, "decay_patience": 1, "max_iter_eval": 6}
+    model = convert(compiled(sd), {"arch": cfg}, META).double().eval()
+    below = res0 < thresh
+    st = {"y": y0, "s": torch.where(below, 1.0, 1.5e-3).double().view(4, 1, 1),
+          "best": torch.where(below, math.inf, 0.0).double(), "pat": torch.ones(4)}  # no new lowest: decay at once
+    state = {"y": y0, "iterations": torch.zeros(4, dtype=torch.long), "solver_s": st["s"].view(4, 1).clone(),
+             "solver_best": st["best"].clone(), "solver_patience": torch.ones(4, dtype=torch.long)}
+    zero = torch.zeros(4, dtype=torch.long)
+    carry = {"state": state, "steps": zero, "iterations": zero, "halted": torch.zeros(4, dtype=torch.bool),
+             "data": {"input_ids": ids, "puzzle_identifiers": pids}}
+    with torch.no_grad():
+        for call in range(1, 7):
+            out = model(ids, pids, carry=carry)
+            carry = out.carry
+            st, res, halted = research_eval_call(f, st, cfg, call)
+            if call == 1:  # two puzzles converged, two stalled, and the batch goes on
+                assert int(below.sum()) == 2 and (res < thresh).tolist() == below.tolist()
+                assert (st["s"].view(-1) < 1e-3).tolist() == (~below).tolist() and not halted.any()
+            torch.testing.assert_close(carry["state"]["y"], st["y"], rtol=1e-10, atol=1e-10)
+            assert carry["halted"].tolist() == halted.tolist()
+            if bool(halted.all()):
+                break
+    assert call == 6
+
+
+def test_fprm_converter_reads_both_research_config_versions():
+    sd = compiled(fprm_state())
+    split = convert(sd, {"arch": research_cfg("split")}, META).config
+    assert split.fp_solver_kwargs == {"step_size": 1.0, "patience": 5, "decay": 0.5, "improve_margin": 0.0}
+    assert split.eval_step_decay == 0.8
+    single = convert(sd, {"arch": research_cfg("single", decay_patience=3, stepsize=0.5)}, META).config
+    assert single.fp_solver_kwargs == {"step_size": 0.5, "patience": 3, "decay": 0.8, "improve_margin": 0.01}
+    assert single.eval_step_decay == 0.8
+    # max_iter_eval None: the research code evaluates for max_iter calls of one solver step each
+    assert convert(sd, {"arch": {**FPRM_CFG, "max_iter_eval": None}}, META).config.fp_eval_max_iter == 12
+    with pytest.raises(ValueError, match=r"stepsize_decay.*stepsize_decay_train.*no research version has both"):
+        convert(sd, {"arch": {**FPRM_CFG, "stepsize_decay": 0.9}}, META)
+    with pytest.raises(ValueError, match="the checkpoint's stepsize_decay_warmup=0.5 has no counterpart here"):
+        convert(sd, {"arch": {**FPRM_CFG, "stepsize_decay_warmup": 0.5}}, META)
+    with pytest.raises(ValueError, match="names no step-size decay"):
+        convert(sd, {"arch": {k: v for k, v in FPRM_CFG.items() if not k.startswith("stepsize_decay")}}, META)

@@ -265,6 +265,9 @@ def test_official_preset_fills_the_research_values_and_explicit_flags_win():
     assert (c.conv, c.conv_kernel, c.solve_mode, c.puzzle_emb_len, c.mlp_multiple_of) == ("2d", 3, "official", 16, 256)
     assert (c.forward_dtype, c.init_noise, c.pad_id, c.hidden_size, c.init_std) == ("bfloat16", "truncated", None, 32,
                                                                                      2.0)
+    # the step-size rule of the configs with a decay per mode
+    assert c.fp_solver_kwargs == {"step_size": 1.0, "patience": 5, "decay": 0.9, "improve_margin": 0.0}
+    assert c.eval_step_decay == 0.99
     trm = parse_args(["--model", "trm", "--task", "sudoku", "--preset", "official"])
     kw = json.loads(trm.model_kwargs)
     assert (trm.num_layers, trm.puzzle_emb_len, trm.halt_max_steps, trm.lr) == (2, 16, 16, 1e-4)

@@ -127,6 +127,27 @@ class TestFPRM(PuzzleModelTesterMixin):
         # training: fpopt's 0.9, the stop rule; the decay waits while the residual is below fp_tol (research code)
         assert kw["solver_kwargs"] == {"threshold": 0.1} and kw["stop_fraction"] == 0.5
 
+    def test_eval_step_decay_wins_over_the_training_decay_at_evaluation(self):
+        # fp_solver_kwargs' decay is the training decay (a converted research model always has one); eval_step_decay
+        # is the evaluation decay; a decay passed with a call applies to that call in either mode.
+        model = self.build(FPRMModel, fp_solver_kwargs={"decay": 0.9, "patience": 2}, eval_step_decay=0.8,
+                           solve_mode="official")
+        assert model.train()._solver(None)["solver_kwargs"] == {"threshold": 0.1, "decay": 0.9, "patience": 2}
+        assert model.eval()._solver(None)["solver_kwargs"] == {"threshold": 0.1, "decay": 0.8, "patience": 2}
+        call = {"fp_solver_kwargs": {"decay": 0.5}}
+        assert model.eval()._solver(call)["solver_kwargs"]["decay"] == 0.5
+        assert model.train()._solver(call)["solver_kwargs"]["decay"] == 0.5
+        batch = self.puzzle_batch(model.config)
+        with torch.no_grad():  # the step sizes a call leaves in its state: 0.8 at evaluation, 0.5 with the call's
+            for decay, overrides in ((0.8, None), (0.5, call)):
+                out = model.eval()(batch["input_ids"], batch["puzzle_identifiers"], fp_overrides=overrides,
+                                   fp_max_iter=30, fp_tol=1e-30)
+                steps = out.state["solver_s"].log() / torch.log(torch.tensor(decay))
+                assert (steps - steps.round()).abs().max() < 1e-4 and steps.max() > 0.5
+        with pytest.raises(ValueError, match="eval_step_decay=0.8 is fpopt's step-size decay at evaluation; "
+                                             "fp_solver='anderson' has no step size"):
+            FPRMConfig(fp_solver="anderson", solve_mode="per_sample", eval_step_decay=0.8)
+
     def test_learned_positions_fixed_point_float64(self):
         # Silent sublayers: the fixed point is a1^(2L) x, with x = sqrt(D) 0.707106781 (cat(prefix, tokens) + pos),
         # pos the learned row of each position (prefix included), written out from the raw tables.

@@ -1,0 +1,100 @@
+"""``fp_check_every=0``: every family's no-grad forward compiles as one graph (``torch.compile(fullgraph=True)``)
+and equals eager, and reads the host at most once per solve besides what transformers' own mask code reads; a
+training step compiles as one graph with the unrolled backward modes."""
+
+import pytest
+import torch
+from torch.profiler import profile
+
+from tests.models.test_knobs import NAMES, build
+
+# Host reads of one no-grad forward of the tiny two-layer model at fp_check_every=0 (measured; a stock
+# LlamaForCausalLM on a padded batch reads 2, in transformers' mask code): one per solve (its NaN/Inf check) plus
+# the model's own input checks and transformers' masks.
+HOST_READS = {"attractor_lm": 3, "deq_lm": 2, "ouro": 2, "fprm": 5, "trm": 2, "urm": 1, "fpsa_bert": 3, "fpsa_vit": 2,
+              "self_llama": 4, "self_mistral": 2}
+
+
+def knobs(name: str) -> dict:
+    """A short budget keeps the unrolled graph small; Ouro has no solve (its loops compile as they are)."""
+    return {} if name == "ouro" else {"fp_check_every": 0, "fp_max_iter": 3}
+
+
+def main_output(out) -> torch.Tensor:
+    return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_no_grad_forward_compiles_as_one_graph(name):
+    model, inputs = build(name)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        eager = main_output(model(**inputs, **knobs(name)))
+        graph = main_output(compiled(**inputs, **knobs(name)))
+    assert (eager - graph).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_host_reads_of_a_forward(name):
+    model, inputs = build(name)
+    with torch.no_grad():
+        model(**inputs, **knobs(name))
+        with profile() as prof:
+            model(**inputs, **knobs(name))
+    events = {e.key: e.count for e in prof.key_averages()}
+    assert events.get("aten::nonzero", 0) == 0
+    assert events.get("aten::_local_scalar_dense", 0) <= HOST_READS[name]
+
+
+@pytest.mark.parametrize("backward", ["one_step", "phantom", "bptt"])
+def test_training_step_compiles_as_one_graph(backward):
+    model, inputs = build("deq_lm")
+    model.train()
+    kw = {"fp_check_every": 0, "fp_max_iter": 3, "fp_backward": backward, "labels": inputs["input_ids"]}
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    grads = []
+    for fn in (model, compiled):
+        model.zero_grad()
+        fn(**inputs, **kw).loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    assert len(grads[0]) == len(grads[1]) > 0
+    assert max((a - b).abs().max().item() for a, b in zip(*grads)) <= 1e-5
+
+
+@pytest.mark.parametrize("name,cache_kind", [("attractor_lm", "dynamic"), ("attractor_lm", "static"),
+                                             ("self_llama", "dynamic"), ("self_llama", "static"),
+                                             ("self_mistral", "dynamic")])
+def test_cached_decode_step_compiles_as_one_graph(name, cache_kind):
+    import copy
+
+    from transformers import DynamicCache, StaticCache
+
+    model, inputs = build(name)
+    ids = inputs["input_ids"][:, :5]
+    kw = knobs(name)
+    cache = StaticCache(config=model.config, max_cache_len=12) if cache_kind == "static" else DynamicCache(
+        config=model.config)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        prefill = model(input_ids=ids, past_key_values=cache, use_cache=True, **kw)
+        token = prefill.logits[:, -1:].argmax(-1)
+        step = dict(input_ids=token, use_cache=True, cache_position=torch.tensor([ids.shape[1]]), **kw)
+        graph_cache = copy.deepcopy(prefill.past_key_values)
+        eager = model(past_key_values=prefill.past_key_values, **step).logits
+        graph = torch.compile(model, fullgraph=True, backend="eager")(past_key_values=graph_cache, **step).logits
+    assert (eager - graph).abs().max() <= 1e-5
+
+
+def test_self_static_cache_gives_the_dynamic_cache_tokens():
+    model, inputs = build("self_llama")
+    ids = inputs["input_ids"][:, :4]
+    kw = dict(max_new_tokens=6, do_sample=False, fp_overrides={"fp_check_every": 0})
+    dynamic = model.generate(ids, **kw)
+    static = model.generate(ids, cache_implementation="static", **kw)
+    assert torch.equal(dynamic, static)
+    mistral, inputs = build("self_mistral")  # its tiny config has a sliding window: a static layer would roll it
+    assert mistral.config.sliding_window is not None
+    with pytest.raises(ValueError, match="StaticCache without sliding-window layers"):
+        mistral.generate(inputs["input_ids"][:, :4], cache_implementation="static", max_new_tokens=2)
