@@ -41,9 +41,9 @@ forward over the forward's minimum wall time); on a CPU the aten ops and the ops
 (compilation, CUDA-graph recording) are timed apart. A measurement that fails (a graph break under ``fullgraph``, a
 refused static cache, an unknown setting) puts its reason in its cell and the run goes on. After ``--budget-s`` seconds
 the remaining cells are skipped and marked so. ``--set fp_key=value`` adds a per-call fixed-point setting to every
-solver family's calls (e.g. ``fp_backward=phantom``: the default ``ift`` backward breaks a ``fullgraph`` training
-step). Prints one markdown table; ``--json`` writes the cells. Correctness on
-a GPU (logits against the CPU's, training, generated tokens) is ``tools/gpu_smoke.py``'s; nothing here checks it.
+solver family's calls (e.g. ``fp_backward=phantom``: the ``ift`` backward, most families' default, breaks a
+``fullgraph`` training step). Prints one markdown table; ``--json`` writes the cells. Correctness on a GPU (logits
+against the CPU's, training, generated tokens) is ``tools/gpu_smoke.py``'s; nothing here checks it.
 """
 
 import argparse
