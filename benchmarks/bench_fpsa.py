@@ -200,43 +200,55 @@ def compute(path, tok, repeats, batch_size, checkpoint=None, device="cpu"):
     return out
 
 
+def count_ops(fn, device="cpu"):
+    """What one call of ``fn`` launches (warm it up first), counted by ``torch.profiler``: ``aten`` ops (nested ones
+    included), ``host_reads`` (``aten::_local_scalar_dense``, the op behind ``.item()`` / ``int()`` / ``bool()`` of a
+    tensor) and ``nonzero`` (``aten::nonzero``), both of which wait for the device on a GPU; on a CUDA ``device``
+    also the CUDA ``kernels`` (GPU activities, copies included), stream ``syncs`` (``cudaStreamSynchronize``) and
+    ``gpu_ms``, the time the GPU was busy. Returns ``(counts, fn's output)``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_cuda, sync = torch.device(device).type == "cuda", device_sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    sync()
+    with profile(activities=activities) as prof:
+        out = fn()
+        sync()
+    events = prof.key_averages()
+    count = {e.key: e.count for e in events}
+    counts = {"aten": sum(e.count for e in events if e.key.startswith("aten::")),
+              "host_reads": count.get("aten::_local_scalar_dense", 0), "nonzero": count.get("aten::nonzero", 0)}
+    if on_cuda:
+        kernels = [e for e in events if e.device_type.name == "CUDA"]
+        counts.update(kernels=sum(e.count for e in kernels), syncs=count.get("cudaStreamSynchronize", 0),
+                      gpu_ms=sum(e.self_device_time_total for e in kernels) / 1e3)
+    return counts, out
+
+
 def profile_ops(path, tok, batch_size, device="cpu"):
     """(d) What one no-grad forward launches: BERT, FPSA-BERT at its defaults and capped at 4 iterations, counted by
-    ``torch.profiler``: aten ops (nested ones included), scalar reads to the host (``aten::_local_scalar_dense``, the
-    op behind ``.item()`` / ``int()`` / ``bool()`` of a tensor) and ``aten::nonzero`` calls, which wait for the device
-    on a GPU; with ``--device cuda`` also the CUDA kernels, stream synchronisations and the time the GPU was busy."""
-    from torch.profiler import ProfilerActivity, profile
+    ``count_ops``."""
     from transformers import BertModel
 
     from hf_fixedpoint.modeling import FPSABertModel
 
-    on_cuda, sync = torch.device(device).type == "cuda", device_sync(device)
+    on_cuda = torch.device(device).type == "cuda"
     batch = tok([TEXT * 4] * batch_size, truncation=True, max_length=SEQ_LEN, padding="max_length",
                 return_tensors="pt").to(device)
     base = BertModel.from_pretrained(path).eval().to(device)
     fpsa = FPSABertModel.from_pretrained(path).eval().to(device)
     runs = {"BERT": lambda: base(**batch), "FPSA tol 1e-3 cap 16 (default)": lambda: fpsa(**batch),
             "FPSA tol 1e-3 cap 4": lambda: fpsa(**batch, fp_overrides={"fp_max_iter": 4})}
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     print(f"\n(d) ops of one no-grad forward: {path}, batch {tuple(batch['input_ids'].shape)}, on {device}")
     print(f"    {'model':32s} {'aten ops':>8s} {'host reads':>10s} {'nonzero':>7s}" +
           (f" {'kernels':>7s} {'syncs':>5s} {'GPU ms':>6s}" if on_cuda else "") + f" {'median':>6s}")
     with torch.no_grad():
         for name, fn in runs.items():
             fn()  # warm-up
-            sync()
-            with profile(activities=activities) as prof:
-                out = fn()
-                sync()
-            events = prof.key_averages()
-            count = {e.key: e.count for e in events}
-            aten = sum(e.count for e in events if e.key.startswith("aten::"))
-            line = f"    {name:32s} {aten:8d} {count.get('aten::_local_scalar_dense', 0):10d} " \
-                   f"{count.get('aten::nonzero', 0):7d}"
+            c, out = count_ops(fn, device)
+            line = f"    {name:32s} {c['aten']:8d} {c['host_reads']:10d} {c['nonzero']:7d}"
             if on_cuda:
-                kernels = [e for e in events if e.device_type.name == "CUDA"]
-                busy = sum(e.self_device_time_total for e in kernels) / 1e3
-                line += f" {sum(e.count for e in kernels):7d} {count.get('cudaStreamSynchronize', 0):5d} {busy:6.2f}"
+                line += f" {c['kernels']:7d} {c['syncs']:5d} {c['gpu_ms']:6.2f}"
             stats = getattr(out, "fp_stats", None)
             print(line + f" {stats.summary()['fpsa_iter_median'] if stats is not None else 1:6.1f}")
 

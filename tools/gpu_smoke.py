@@ -8,7 +8,8 @@ For each family's tiny test config (``tests/models/<family>``): the float32 logi
 (max |diff| < 1e-3), three ``transformers.Trainer`` steps on the device in float32 and in bf16 (finite losses, the
 fixed-point statistics in the logs), and for the causal LMs greedy ``generate`` of a left-padded batch on the device
 against CPU (equal tokens; Ouro with per-token early exit, ``exit_mode="skip"``). Prints one PASS / FAIL line a check
-and a summary; the results of the last GPU run are in docs/gpu.md ("Results").
+and a summary; the results of the last GPU run are in docs/gpu.md ("Results"). Speed (latency, training steps,
+kernels and synchronisations against plain models) is measured by ``benchmarks/bench_gpu.py``, not here.
 """
 
 import copy
