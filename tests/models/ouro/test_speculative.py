@@ -15,6 +15,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from hf_fixedpoint.modeling import OuroConfig, OuroForCausalLM
+from tests.models.fixed_point_tester import _CHILD as _REMOTE_CHILD
 
 TINY = {"vocab_size": 99, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "max_position_embeddings": 64, "total_ut_steps": 4, "pad_token_id": 0,
@@ -195,15 +196,10 @@ def test_refused_with_another_assistant():
         _greedy(model, ids, mask, draft_depth=1, assistant_model=_model())
 
 
-_CHILD = textwrap.dedent(
+# the child of the families' remote-code test, up to its imports: blocks every import of the package
+_BLOCK = _REMOTE_CHILD[: _REMOTE_CHILD.index("import torch, transformers")]
+_CHILD = _BLOCK + textwrap.dedent(
     """
-    import importlib.abc, json, sys
-    class _Block(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in ("hf_fixedpoint", "modeling"):
-                raise ImportError(f"blocked import of {name}")
-            return None
-    sys.meta_path.insert(0, _Block())
     import torch, transformers
     ckpt, io = sys.argv[1], sys.argv[2]
     model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, trust_remote_code=True).eval()
