@@ -971,6 +971,11 @@ class _Speculation:
         if not isinstance(self.cache, Cache) or not all(isinstance(layer, (DynamicLayer, StaticLayer))
                                                         for layer in self.cache.layers):
             raise ValueError(f"draft_depth needs a DynamicCache or StaticCache; got {type(self.cache).__name__}.")
+        if any(isinstance(layer, StaticLayer) and not torch.is_tensor(getattr(layer, "cumulative_length", None))
+               for layer in self.cache.layers):
+            raise ValueError("draft_depth with a static cache needs a StaticLayer that counts its length "
+                             "(transformers 5); this release's has none to roll rejected drafts back. Use the dynamic "
+                             "cache.")
         self.num_tokens = generation_config.num_assistant_tokens
         self.num_tokens = 20 if self.num_tokens is None else self.num_tokens  # transformers' default
         check_number(self.num_tokens, "num_assistant_tokens", low=1, integer=True)
@@ -1066,11 +1071,15 @@ class _Speculation:
             return chosen[:, : int((matched + 1)[unfinished].min())], matched
         if k == 0:
             return self.choose(target[:, 0])[:, None], torch.zeros_like(drafts[:, 0:1].sum(-1))
+        import inspect
+
         from transformers.generation.utils import _speculative_sampling
 
+        # releases before 5.0 take is_done_candidate (a draft that hit the end token: no bonus token; not used here)
+        extra = (False,) if "is_done_candidate" in inspect.signature(_speculative_sampling).parameters else ()
         rows, matched = [], []
         for b in range(drafts.shape[0]):
-            valid, n = _speculative_sampling(drafts[b : b + 1], draft_scores[b : b + 1], k, target[b : b + 1])
+            valid, n = _speculative_sampling(drafts[b : b + 1], draft_scores[b : b + 1], k, target[b : b + 1], *extra)
             rows.append(valid[0])
             matched.append(int(n))
         keep = min(len(r) for r, u in zip(rows, unfinished.tolist()) if u)
