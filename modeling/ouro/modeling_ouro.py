@@ -860,10 +860,10 @@ def generate_speculative(model, *args, **kwargs):
     method."""
     from transformers.generation.utils import GenerationMixin as _Mixin
 
-    if not hasattr(_Mixin, "_extract_generation_mode_kwargs"):  # a custom_generate callable: transformers >= 5.0
+    if not hasattr(_Mixin, "_extract_generation_mode_kwargs"):  # custom_generate callables (4.57 has them)
         from .fp_compat import require_transformers
 
-        require_transformers("5.0", "Ouro's draft_depth", "generate takes no custom_generate callable")
+        require_transformers("4.57", "Ouro's draft_depth", "generate takes no custom_generate callable")
     for name in ("assistant_model", "custom_generate", "prompt_lookup_num_tokens", "assistant_early_exit"):
         if kwargs.get(name) is not None:
             raise ValueError(f"draft_depth (self-speculative decoding: the model drafts at fewer loops) cannot be "
