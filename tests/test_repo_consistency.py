@@ -149,14 +149,16 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_core_dependencies_have_lower_bounds_and_no_caps():
-    """``pip install hf-fixedpoint`` must not downgrade what users have; constraints.txt keeps the exact test pins."""
+    """``pip install hf-fixedpoint`` must not downgrade what users have: each floored dependency has no cap, and its
+    bound is the release the lowest-versions leg tests (constraints-lowest.txt; tests/test_floors.py)."""
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     specs = meta["dependencies"] + [s for extra in meta["optional-dependencies"].values() for s in extra]
-    pins = dict(line.split("==") for line in (ROOT / "constraints.txt").read_text().splitlines()
-                if "==" in line and not line.startswith("#"))
-    for name in ("torch", "transformers", "accelerate", "peft", "datasets"):
-        found = [s for s in specs if s.split(">")[0].split("<")[0].split("=")[0].strip() == name]
+    lowest = dict(line.split("==") for line in (ROOT / "constraints-lowest.txt").read_text().splitlines()
+                  if "==" in line and not line.startswith("#"))
+    assert {"torch", "transformers", "accelerate", "peft", "datasets", "lm-eval", "evaluate"} <= set(lowest)
+    for name in lowest:
+        found = [s for s in specs if s.split(">")[0].split("<")[0].split("=")[0].strip().replace("_", "-") == name]
         assert found, name
         for spec in found:
             assert "<" not in spec and ">=" in spec, spec
-            assert pins[name].startswith(spec.split(">=")[1]), (spec, pins[name])  # the bound is the tested release
+            assert lowest[name].startswith(spec.split(">=")[1]), (spec, lowest[name])  # the bound is the tested floor
