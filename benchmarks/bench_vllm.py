@@ -9,7 +9,9 @@ Tiny random models (float32, head dim 64: vLLM's CPU attention takes 32, 64, 80,
 and ``--loops`` loops, Llama with ``layers * loops`` layers, same width and MLP. Both engines live in this process side
 by side with transformers' model; the three are timed in turns, ``--repeats`` rounds, fastest round each, on the same
 ``--prompts`` prompts of ``--prompt_len`` random tokens, greedy, ``--new_tokens`` new tokens each (no end token).
-vLLM runs with ``enforce_eager=True`` (on a CPU its compiled mode adds start-up time, not speed at this size).
+vLLM runs with ``enforce_eager=True`` (on a CPU its compiled mode adds start-up time, not speed at this size). Ouro
+keeps its default exit rule (threshold 1.0, evaluated after every loop as transformers does); ``--no_exit_rule``
+decodes the last loop without it.
 """
 
 import argparse
@@ -30,7 +32,9 @@ def build(folder, args):
                  num_attention_heads=args.hidden // 64, num_key_value_heads=args.hidden // 64,
                  max_position_embeddings=1024, pad_token_id=0, eos_token_id=None, bos_token_id=None)
     torch.manual_seed(0)
-    ouro = OuroForCausalLM(OuroConfig(num_hidden_layers=args.layers, total_ut_steps=args.loops, **shape))
+    threshold = None if args.no_exit_rule else 1.0  # 1.0: Ouro's default Q-exit rule, evaluated after every loop
+    ouro = OuroForCausalLM(OuroConfig(num_hidden_layers=args.layers, total_ut_steps=args.loops,
+                                      early_exit_threshold=threshold, **shape))
     llama = LlamaForCausalLM(LlamaConfig(num_hidden_layers=args.layers * args.loops, **shape))
     paths = {}
     for name, model in (("ouro", ouro), ("llama", llama)):
@@ -54,6 +58,7 @@ def main(argv=None):
     parser.add_argument("--prompt_len", type=int, default=16)
     parser.add_argument("--new_tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no_exit_rule", action="store_true", help="early_exit_threshold=None: the last loop")
     args = parser.parse_args(argv)
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
