@@ -158,17 +158,36 @@ class OuroModel(nn.Module):
             depth = torch.full(states[0].shape[:1], len(states), device=states[0].device)
         else:
             depth, threshold = settings
-        rule = ExitRule(threshold, tol)
-        index = depth - 1
-        decided = torch.zeros_like(index, dtype=torch.bool)
-        for t in range(len(states) - 1):
-            fire = rule(self.early_exit_gate(states[t]), states[t - 1] if t else None, states[t])
-            if fire is not None:
-                fire = fire & ~decided & (t < index)
-                index = torch.where(fire, torch.full_like(index, t), index)
-                decided |= fire
         stacked = torch.stack(states)  # (T, N, D)
+        if tol is None:
+            index = self.threshold_exit(stacked, depth, threshold)
+        else:  # loop by loop, as transformers' ExitRule
+            rule, index = ExitRule(threshold, tol), depth - 1
+            decided = torch.zeros_like(index, dtype=torch.bool)
+            for t in range(len(states) - 1):
+                fire = rule(self.early_exit_gate(states[t]), states[t - 1] if t else None, states[t])
+                if fire is not None:
+                    fire = fire & ~decided & (t < index)
+                    index = torch.where(fire, torch.full_like(index, t), index)
+                    decided |= fire
         return stacked.gather(0, index[None, :, None].expand(1, *stacked.shape[1:]))[0]
+
+    def threshold_exit(self, stacked, depth, threshold):
+        """``(N,)`` decoded loop under the threshold rule alone: the first ``t`` below the token's last loop whose
+        ``cdf_t = sum_{j<=t} lambda_j S_{j-1}`` reaches ``threshold``, else its last loop. The gates of all loops in
+        one call; the sums loop by loop in ``ExitRule``'s order of operations (the same floats; ``cumsum`` /
+        ``cumprod`` round differently, which matters at ``threshold=1.0``)."""
+        if threshold is None or stacked.shape[0] == 1:
+            return depth - 1
+        lam = torch.sigmoid(self.early_exit_gate(stacked[:-1])[..., 0].float())  # (T - 1, N)
+        cdf, survival, fires = lam[0], 1.0 - lam[0], [lam[0] >= threshold]
+        for t in range(1, lam.shape[0]):
+            cdf = cdf + lam[t] * survival
+            survival = survival * (1.0 - lam[t])
+            fires.append(cdf >= threshold)
+        loop = torch.arange(lam.shape[0], device=lam.device)[:, None]
+        fire = torch.stack(fires) & (loop < depth - 1)
+        return torch.where(fire.any(0), fire.int().argmax(0), depth - 1)
 
 
 class OuroForCausalLM(nn.Module):
