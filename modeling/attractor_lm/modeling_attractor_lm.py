@@ -39,6 +39,7 @@ from .fp_compat import (
     init,
     pop_cache,
 )
+from .fp_engines import EngineGuardMixin
 from .fp_registry import check_number
 from .fp_settings import call_knobs, fixed_point_kwargs
 from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
@@ -181,7 +182,11 @@ class AttractorDecoderLayer(nn.Module):
         return h + self._gate(self.raw_gamma_mlp, self.mlp(self.post_attention_layernorm(h)))
 
 
-class AttractorPreTrainedModel(PreTrainedModel):
+class AttractorPreTrainedModel(EngineGuardMixin, PreTrainedModel):
+    # Why vLLM's generic Transformers backend cannot run it (fp_engines): refused with this reason.
+    _engine_refusal = ("its attractor layers iterate each new token to a fixed point against the cached keys and "
+                       "values of the earlier tokens and write the new token's keys once, at the fixed point; such a"
+                       " backend calls each attention module once per token and writes its paged cache at every call")
     config_class = AttractorConfig
     base_model_prefix = "model"
     _no_split_modules = ["AttractorDecoderLayer"]

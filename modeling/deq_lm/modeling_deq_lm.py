@@ -17,6 +17,7 @@ from transformers.utils import can_return_tuple
 
 from .configuration_deq_lm import DEQLMConfig
 from .fp_backward import fixed_point
+from .fp_engines import EngineGuardMixin
 from .fp_registry import check_number  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_settings import call_knobs, fixed_point_kwargs
 from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
@@ -95,7 +96,10 @@ class DEQLMBlock(nn.Module):
         return h + self.mlp(self.norm2(h))
 
 
-class DEQLMPreTrainedModel(PreTrainedModel):
+class DEQLMPreTrainedModel(EngineGuardMixin, PreTrainedModel):
+    # Why vLLM's generic Transformers backend cannot run it (fp_engines): refused with this reason.
+    _engine_refusal = ("it keeps no KV cache: every step solves one weight-tied block to its fixed point over the "
+                       "whole prefix, which a backend built on a paged KV cache cannot express")
     config_class = DEQLMConfig
     base_model_prefix = "model"
     _no_split_modules = ["DEQLMBlock"]

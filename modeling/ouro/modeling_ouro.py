@@ -56,6 +56,7 @@ from .fp_compat import (
     pop_cache,
     require_dynamic_cache,
 )
+from .fp_engines import EngineGuardMixin
 from .fp_registry import check_choice, check_number, reject_prefixed_keywords
 
 
@@ -366,7 +367,13 @@ class OuroDecoderLayer(GradientCheckpointingLayer):
         return hidden_states + self.post_attention_layernorm_2(mlp)
 
 
-class OuroPreTrainedModel(PreTrainedModel):
+class OuroPreTrainedModel(EngineGuardMixin, PreTrainedModel):
+    # Why vLLM's generic Transformers backend cannot run it (fp_engines): refused with this reason.
+    _engine_refusal = ("it applies its decoder layers once per loop (total_ut_steps) and needs one KV-cache slot per"
+                       " (loop, layer), where such a backend keeps one per attention module: the loops would "
+                       "overwrite each other's keys and values and the tokens would be wrong from the third "
+                       "generated one")
+    _engine_native = True  # served natively by hf-fixedpoint's vLLM plugin
     config_class = OuroConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True

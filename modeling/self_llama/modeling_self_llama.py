@@ -37,6 +37,7 @@ from transformers.utils.generic import can_return_tuple
 from .configuration_self_llama import SelfLlamaConfig
 from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_compat import CACHE_NAME, attention_function, pop_cache, require_dynamic_cache
+from .fp_engines import EngineGuardMixin
 from .fp_fpsa import FPSAOptions, fpsa_decoder_attention
 from .fp_fpsa_layers import init_fpsa_weights
 from .fp_fpsa_settings import FPSA_DEFAULTS  # noqa: F401  (see vendor.direct_import_problems)
@@ -126,7 +127,12 @@ class SelfLlamaDecoderLayer(LlamaDecoderLayer):
         return hidden_states
 
 
-class SelfLlamaPreTrainedModel(LlamaPreTrainedModel):
+class SelfLlamaPreTrainedModel(EngineGuardMixin, LlamaPreTrainedModel):
+    # Why vLLM's generic Transformers backend cannot run it (fp_engines): refused with this reason.
+    _engine_refusal = ("each attention layer iterates to a fixed point (FPSA), calling its attention many times per "
+                       "token on changing rows, and decoding attends to the converged keys of the earlier tokens; "
+                       "such a backend calls each attention module once per token against its paged cache (it fails "
+                       "at engine start)")
     config_class = SelfLlamaConfig
     _no_split_modules = ["SelfLlamaDecoderLayer"]
     # The FPSA loop calls the attention function many times with changing batch rows and has data-dependent stops:

@@ -1,0 +1,28 @@
+"""The per-request Ouro settings a vLLM request may carry in ``SamplingParams.extra_args``, and their check (no vLLM
+import: the checks are tested without it)."""
+
+KEYS = ("total_ut_steps", "exit_threshold")
+
+
+def check_request(extra_args, loops) -> dict:
+    """The Ouro settings of a request's ``extra_args`` (the keys present), validated; ``loops``: the engine's loop
+    count, None when unknown here (then only the lower bound is checked). ``total_ut_steps`` None means the engine's
+    loops; ``exit_threshold`` None means no threshold (the token's last loop is decoded)."""
+    extra = extra_args or {}
+    settings = {k: extra[k] for k in KEYS if k in extra}
+    depth = settings.get("total_ut_steps")
+    if depth is not None:
+        high = "" if loops is None else (f" to {loops} (the engine's total_ut_steps; start vLLM with "
+                                         "hf_overrides={'total_ut_steps': k} for deeper requests)")
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1 or (loops and depth > loops):
+            raise ValueError(f"extra_args['total_ut_steps']={depth!r} is not allowed. Allowed values: an integer "
+                             f"from 1{high}.")
+    threshold = settings.get("exit_threshold")
+    if threshold is not None:
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
+            raise ValueError(f"extra_args['exit_threshold']={threshold!r} is not allowed. Allowed values: a number "
+                             "in [0, 1], or None (decode the last loop).")
+    return settings
+
+
+__all__ = ["KEYS", "check_request"]
