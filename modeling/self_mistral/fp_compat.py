@@ -22,6 +22,7 @@ that imports transformers; the others import only torch and the standard library
 """
 
 import dataclasses
+import importlib
 import inspect
 from types import SimpleNamespace
 
@@ -30,6 +31,9 @@ import transformers
 from transformers import masking_utils
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+# Imported here, not where it is used: inside a torch.compile graph an import of transformers' lazy module fails.
+_STATIC_LAYER = getattr(importlib.import_module("transformers.cache_utils"), "StaticLayer", None)
 
 try:  # 5.5 and later
     from transformers.utils.output_capturing import capture_outputs
@@ -101,10 +105,8 @@ def attention_function(implementation, default):
 
 def is_static_layer(layer) -> bool:
     """A full-attention ``StaticLayer`` (preallocated keys, its length a device counter), not a sliding window."""
-    from transformers import cache_utils
-
-    static = getattr(cache_utils, "StaticLayer", None)
-    return static is not None and type(layer) is static and torch.is_tensor(getattr(layer, "cumulative_length", None))
+    return (_STATIC_LAYER is not None and type(layer) is _STATIC_LAYER
+            and torch.is_tensor(getattr(layer, "cumulative_length", None)))
 
 
 def require_dynamic_cache(cache, family: str, reason: str, static: bool = False) -> None:
