@@ -83,7 +83,7 @@ class Args(RecipeArgs):  # --seed, --report_to, --push_to_hub, ...: docs/recipes
     init_std: float = field(default=0.2, metadata={"help": "initializer_range; the tiny model learns addition "
                                                             "much faster with 0.2 than with Ouro's 0.02"})
     num_layers: int = field(default=1, metadata={"help": "layers in the looped stack"})
-    num_heads: int = field(default=2, metadata={"help": "attention heads (2: head dim 32, which vLLM's CPU attention takes)"})
+    num_heads: int = field(default=4, metadata={"help": "attention heads"})
     exit_loss: str = field(default="last", metadata={"help": "training loss: last (the last loop's), expected_loss "
                                                               "(Ouro stage I, trains the exit gate: sum_t p_t CE_t - "
                                                               "entropy_weight * H(p)) or expected_logits"})
