@@ -22,18 +22,17 @@ that imports transformers; the others import only torch and the standard library
 """
 
 import dataclasses
-import importlib
 import inspect
 from types import SimpleNamespace
 
 import torch
 import transformers
-from transformers import masking_utils
+from transformers import cache_utils, masking_utils
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-# Imported here, not where it is used: inside a torch.compile graph an import of transformers' lazy module fails.
-_STATIC_LAYER = getattr(importlib.import_module("transformers.cache_utils"), "StaticLayer", None)
+# Looked up here, not where it is used: inside a torch.compile graph an import of transformers' lazy module fails.
+_STATIC_LAYER = getattr(cache_utils, "StaticLayer", None)
 
 try:  # 5.5 and later
     from transformers.utils.output_capturing import capture_outputs

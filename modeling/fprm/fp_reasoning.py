@@ -66,7 +66,6 @@ def rms_norm(x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
     return F.rms_norm(x.to(torch.promote_types(x.dtype, torch.float32)), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
-
 def _value_range(ids: torch.Tensor) -> tuple:
     """``(min, max)`` of integer ``ids`` in one read to the host; ``(0, 0)`` for an empty tensor and inside a
     ``torch.compile`` graph (where the embedding's own bounds check acts instead)."""
@@ -74,6 +73,7 @@ def _value_range(ids: torch.Tensor) -> tuple:
         return 0, 0
     lo, hi = torch.stack(torch.aminmax(ids)).tolist()
     return lo, hi
+
 
 class CastedLinear(nn.Linear):
     """``nn.Linear`` with LeCun truncated-normal init whose weight is cast to the input's dtype at call time.

@@ -393,10 +393,11 @@ class SolveOptions:
             iteration, the solve stops at the first iteration where it may); ``0``: never inside the loop, which then
             runs ``max_iter`` evaluations with finished entries frozen on the device by masks (no compaction, no
             ``nonzero``), and the statistics stay device tensors; one read at the end checks for non-finite iterates
-            (in a ``torch.compile`` graph a device-side assert does). With ``k > 1`` the solve stops at the first
-            check where it may, so it runs fewer than ``k`` evaluations more than with 1, with the same results for
-            converged entries; ``stop_fraction`` and a solver's halting act on the device at the iteration they
-            happen. ``compact`` applies with ``check_every=1`` only (it needs the host to pick the rows).
+            (in a ``torch.compile`` graph a device-side assert does); ``stop_fraction`` and a solver's halting act
+            on the device at the iteration they happen. With ``k > 1`` the convergence test, ``stop_fraction``,
+            halting and compaction run at the checks only, so an entry runs fewer than ``k`` evaluations more than
+            with 1 and converged entries end within the tolerance of the same fixed point. ``compact`` does nothing
+            with 0 (it needs the host to pick the rows).
         pass_active: call ``f(z, *args, active=mask)`` with ``mask`` the entries still iterating (a bool tensor shaped
             like the working rows' entries, ``(rows, *z0.shape[1:batch_dims])``; None while every entry is open), so
             that ``f`` can skip the work of converged entries: their values in its output are ignored.
@@ -645,11 +646,15 @@ class _SolveLoop:
             self.z = algo.step(self.z, fz, gz, k)
             if event and opts.compact:  # before the freeze: the rows it drops need none
                 self._compact()
-            if self.done is not None and self.freeze:
-                if self.frozen is None:
-                    self.frozen = self.done[:, None]
-                self.z = torch.where(self.frozen, self.out, self.z)
+            self._freeze()
         return self._result(k, fz, res)
+
+    def _freeze(self):
+        """Hold the done rows at their results (see the module docstring for when they are not held)."""
+        if self.done is not None and self.freeze:
+            if self.frozen is None:
+                self.frozen = self.done[:, None]
+            self.z = torch.where(self.frozen, self.out, self.z)
 
     def _active(self):
         """``f``'s ``active=`` with ``pass_active``: the open entries, None while every entry is open."""
@@ -695,10 +700,7 @@ class _SolveLoop:
             fz = self._call_f()
             gz = fz - z if self.needs_gz else None
         self.z = self.algo.step(z, fz, gz, k)
-        if self.done is not None and self.freeze:
-            if self.frozen is None:
-                self.frozen = self.done[:, None]
-            self.z = torch.where(self.frozen, self.out, self.z)
+        self._freeze()
 
     def _plain_residual(self, gz, fz):
         """The l2 residual with the done rows already at +inf: one op (``addcdiv``) instead of a division here and
@@ -916,27 +918,13 @@ class _MaskedSolveLoop(_SolveLoop):
     def run(self):
         max_iter, k = self.opts.max_iter, 0
         for k in range(1, max_iter + 1):
-            fz = self._call_f()
-            gz = fz - self.z
-            res = self._masked_residual(fz, gz)
+            fz, gz, res = self._evaluate()
             self._settle_masked(k, fz, res)
             if k == max_iter:
                 break
             self.z = torch.where(self.frozen, self.out, self.algo.step(self.z, fz, gz, k))
         self._check(k)
         return self._result(k, fz, res)
-
-    def _masked_residual(self, fz, gz):
-        if self.residual_fn is None:
-            res = _residual(gz, fz, self.opts.stop_mode, self.opts.norm, self.row_size, self.rmask, self.acc, self.eps)
-        else:
-            extra = {"active": self._active()} if self.opts.pass_active else {}
-            res = self.residual_fn(fz.view(self.shape), self.z.view(self.shape), *self.args, **extra).reshape(-1)
-        if self.observe is not None:
-            self.observe(res)
-        if self.trace is not None:
-            self.trace.append(res.masked_fill(self.done, math.nan))
-        return res
 
     def _settle_masked(self, k, fz, res):
         """Device ops only: record and freeze the entries that finish at step ``k``, update the best iterate."""
