@@ -124,3 +124,22 @@ def test_solve_compiles_as_one_graph():
     compiled = torch.compile(run, fullgraph=True, backend="eager")
     with torch.no_grad():
         assert (compiled(z0, x.detach()) - run(z0, x.detach())).abs().max() < 1e-12
+
+
+def test_fp_check_every_is_validated_wherever_it_enters(tmp_path):
+    from hf_fixedpoint.modeling import DEQLMConfig, DEQLMForCausalLM
+
+    bad = r"fp_check_every=-1 is out of range; allowed values lie in \[0, inf\)"
+    with pytest.raises(ValueError, match=bad):
+        DEQLMConfig(vocab_size=99, hidden_size=32, num_attention_heads=4, fp_check_every=-1)
+    model = DEQLMForCausalLM(DEQLMConfig(vocab_size=99, hidden_size=32, num_attention_heads=4)).eval()
+    ids = torch.randint(0, 99, (2, 6))
+    with pytest.raises(ValueError, match=bad):
+        model(ids, fp_check_every=-1)
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=bad):
+        DEQLMForCausalLM.from_pretrained(tmp_path, fp_check_every=-1)
+    loaded = DEQLMForCausalLM.from_pretrained(tmp_path, fp_check_every=0, fp_max_iter=5)
+    with torch.no_grad():  # taken: 0 runs the whole budget
+        assert loaded(ids).fp_stats.nfe == 5
+        assert loaded(ids, fp_check_every=1, fp_tol=1e9).fp_stats.nfe == 1
