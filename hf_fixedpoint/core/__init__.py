@@ -10,7 +10,7 @@ from .fp_halting import ACTAccumulator, tolerance_mask
 from .fp_jacobian import jacobian_frobenius, spectral_radius
 from .fp_samplers import SAMPLERS, LoopSampler, get_sampler
 from .fp_settings import FP_DEFAULTS, fixed_point_kwargs, pop_fp_kwargs
-from .fp_solvers import SOLVERS, solve
+from .fp_solvers import SOLVERS, defer_finite_checks, solve
 from .fp_stats import FixedPointStats, FixedPointWarning, NonFiniteError, merge_stats
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "FixedPointWarning",
     "LoopSampler",
     "NonFiniteError",
+    "defer_finite_checks",
     "fixed_point",
     "fixed_point_kwargs",
     "get_sampler",

@@ -22,7 +22,9 @@ current one, its image ``fz = f(z)`` and the residual ``gz = fz - z``; the per-e
 tensors whose first dimension indexes entries, so the loop can drop finished rows from it.
 """
 
+import functools
 import math
+import threading
 from dataclasses import dataclass, fields, replace
 from typing import Callable, Optional, Sequence, Union
 
@@ -963,18 +965,58 @@ class _MaskedSolveLoop(_SolveLoop):
 
     def _check(self, k):
         """The one host read, after the loop: a non-finite residual of an open entry raises. Inside a
-        ``torch.compile`` graph a device-side assert replaces the read."""
+        ``torch.compile`` graph a device-side assert replaces the read; inside a forward wrapped by
+        ``defer_finite_checks`` the test waits for the forward's end, where all its solves are read at once."""
         finite = self.worst.amax() < self.inf_t  # False for NaN and Inf
         if torch.compiler.is_compiling():
             torch._assert_async(finite, "fixed-point solve produced NaN/Inf (NonFiniteError; check_every=0)")
+            return
+        # what the error needs, not the loop (whose iterates and solver history a deferred test would keep alive)
+        fail = functools.partial(_raise_nonfinite, self.opts.solver, self.worst < self.inf_t, self.gps, self.B, k)
+        if getattr(_DEFERRED, "checks", None) is not None:
+            _DEFERRED.checks.append((finite, fail))
         elif not finite.item():
-            bad = (~(self.worst < self.inf_t)).nonzero()[:, 0] // self.gps
-            bad = sorted({int(i) for i in bad.tolist()})
-            raise NonFiniteError(
-                f"fixed-point solve ({self.opts.solver}) produced NaN/Inf by iteration {k} (check_every=0: checked "
-                f"after the loop) for samples {bad[:20]}{' ...' if len(bad) > 20 else ''} (of {self.B}). Lower the "
-                f"learning rate, add damping or a stability regularizer, or check the inputs."
-            )
+            fail()
 
-__all__ = ["NORMS", "OPTION_NAMES", "RETURN_MODES", "SOLVERS", "STOP_MODES", "SolveOptions", "resolve_options",
-           "solve", "solver_kwargs_check"]
+
+def _raise_nonfinite(solver: str, finite_entries: torch.Tensor, gps: int, B: int, k: int):
+    bad = sorted({int(i) for i in ((~finite_entries).nonzero()[:, 0] // gps).tolist()})
+    raise NonFiniteError(
+        f"fixed-point solve ({solver}) produced NaN/Inf by iteration {k} (check_every=0: checked after the loop) for "
+        f"samples {bad[:20]}{' ...' if len(bad) > 20 else ''} (of {B}). Lower the learning rate, add damping or a "
+        f"stability regularizer, or check the inputs."
+    )
+
+
+# The NaN/Inf tests of check_every=0 solves waiting for the end of a forward (see ``defer_finite_checks``).
+_DEFERRED = threading.local()
+
+
+def defer_finite_checks(forward: Callable) -> Callable:
+    """Decorate a model's ``forward`` so that the ``check_every=0`` solves inside it (one per layer, say) are tested
+    for NaN / Inf by one host read when it returns, instead of one read each: the first non-finite solve raises
+    ``NonFiniteError`` then, as it would have alone. Nested decorated forwards join the outermost one; inside a
+    ``torch.compile`` graph each solve keeps its device-side assert. Solves with ``check_every >= 1`` read at
+    their checks as before."""
+
+    @functools.wraps(forward)
+    def wrapper(*args, **kwargs):
+        if torch.compiler.is_compiling() or getattr(_DEFERRED, "checks", None) is not None:
+            return forward(*args, **kwargs)
+        _DEFERRED.checks = []
+        try:
+            out = forward(*args, **kwargs)
+            checks = _DEFERRED.checks
+        finally:
+            _DEFERRED.checks = None
+        if checks and not torch.stack([finite for finite, _ in checks]).all().item():
+            for finite, fail in checks:
+                if not finite.item():
+                    fail()
+        return out
+
+    return wrapper
+
+
+__all__ = ["NORMS", "OPTION_NAMES", "RETURN_MODES", "SOLVERS", "STOP_MODES", "SolveOptions", "defer_finite_checks",
+           "resolve_options", "solve", "solver_kwargs_check"]

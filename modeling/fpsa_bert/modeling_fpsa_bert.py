@@ -53,7 +53,7 @@ from .fp_halting import ACTAccumulator  # noqa: F401  (see vendor.direct_import_
 from .fp_jacobian import jacobian_frobenius  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_registry import check_number  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_settings import call_knobs, fixed_point_kwargs
-from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_solvers import defer_finite_checks
 from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_problems)
 
 try:
@@ -186,6 +186,7 @@ class FPSABertModel(FPSABertPreTrainedModel, BertModel):
         self.post_init()
 
     @can_return_tuple
+    @defer_finite_checks
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                 fp_max_iter: Optional[int] = None, fp_tol: Optional[float] = None,
                 fp_overrides: Optional[dict] = None, fpsa_stats: Optional[FPSAStats] = None, **kwargs):

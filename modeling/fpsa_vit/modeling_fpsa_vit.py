@@ -34,7 +34,7 @@ from .fp_halting import ACTAccumulator  # noqa: F401  (see vendor.direct_import_
 from .fp_jacobian import jacobian_frobenius  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_registry import check_number  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_settings import call_knobs, fixed_point_kwargs
-from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_solvers import defer_finite_checks
 from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_problems)
 
 try:
@@ -137,6 +137,7 @@ class FPSAViTModel(FPSAViTPreTrainedModel, ViTModel):
         self.post_init()
 
     @can_return_tuple
+    @defer_finite_checks
     def forward(self, pixel_values=None, bool_masked_pos=None, interpolate_pos_encoding=None, attention_mask=None,
                 fp_max_iter: Optional[int] = None, fp_tol: Optional[float] = None,
                 fp_overrides: Optional[dict] = None, fpsa_stats: Optional[FPSAStats] = None, **kwargs):

@@ -46,7 +46,7 @@ from .fp_halting import ACTAccumulator  # noqa: F401  (see vendor.direct_import_
 from .fp_jacobian import jacobian_frobenius  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_registry import check_number  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_settings import call_knobs, fixed_point_kwargs
-from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_solvers import defer_finite_checks
 from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_problems)
 
 
@@ -181,6 +181,7 @@ class SelfLlamaModel(SelfLlamaPreTrainedModel, LlamaModel):
         self.post_init()
 
     @can_return_tuple
+    @defer_finite_checks
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, use_cache=None, fp_max_iter: Optional[int] = None, fp_tol: Optional[float] = None,
                 fp_overrides: Optional[dict] = None, fpsa_stats: Optional[FPSAStats] = None, **kwargs):

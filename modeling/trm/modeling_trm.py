@@ -32,7 +32,7 @@ from .fp_reasoning import (
 )
 from .fp_registry import check_number  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_settings import call_knobs, fixed_point_kwargs
-from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_solvers import defer_finite_checks
 from .fp_stats import FixedPointStats
 
 
@@ -136,6 +136,7 @@ class TRMModel(TRMPreTrainedModel):
                 "iterations": iterations, "aux_loss": aux}
 
     @can_return_tuple
+    @defer_finite_checks
     def forward(self, input_ids: torch.LongTensor, puzzle_identifiers: Optional[torch.LongTensor] = None,
                 state: Optional[dict] = None, fp_max_iter: Optional[int] = None, fp_tol: Optional[float] = None,
                 fp_overrides: Optional[dict] = None, **kwargs) -> TRMModelOutput:
@@ -159,6 +160,7 @@ class TRMForPuzzles(PuzzleSolverMixin, TRMPreTrainedModel):
         self.post_init()
 
     @can_return_tuple
+    @defer_finite_checks
     def forward(self, input_ids: torch.LongTensor, puzzle_identifiers: Optional[torch.LongTensor] = None,
                 labels: Optional[torch.LongTensor] = None, carry: Optional[dict] = None,
                 fp_max_iter: Optional[int] = None, fp_tol: Optional[float] = None,

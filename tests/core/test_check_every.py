@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.profiler import profile
 
-from hf_fixedpoint import NonFiniteError, fixed_point, solve
+from hf_fixedpoint import NonFiniteError, defer_finite_checks, fixed_point, solve
 from tests.core.problems import exact_fixed_point, tanh_problem
 
 ALL_SOLVERS = ["picard", "fpopt", "picard_adaptive", "anderson", "broyden"]
@@ -71,6 +71,31 @@ def test_non_finite_iterate_raises(every):
 
     with pytest.raises(NonFiniteError, match=r"samples \[1\]"):
         solve(f, torch.ones(3, 4), solver="anderson", max_iter=6, check_every=every)
+
+
+def test_a_deferred_forward_reads_all_its_solves_once_and_still_raises():
+    # A model forward of n layers, each a check_every=0 solve: one host read at its end, whatever n; a NaN in any
+    # layer raises NonFiniteError naming the samples there; a nested decorated forward joins the outer one.
+    f, _, x = tanh_problem(B=4, D=8, norm=0.9)
+
+    def nan_in_row_1(z, x):
+        return torch.where(torch.arange(4)[:, None] == 1, z * float("nan"), f(z, x))
+
+    @defer_finite_checks
+    def layers(z, n, bad_layer=None):
+        for i in range(n):
+            z, _ = solve(nan_in_row_1 if i == bad_layer else f, z, args=(x.detach(),), max_iter=4, check_every=0)
+        return z
+
+    @defer_finite_checks
+    def model(n, bad_layer=None):
+        return layers(torch.zeros(4, 8, dtype=torch.float64), n, bad_layer)
+
+    assert torch.isfinite(model(2)).all()
+    assert host_reads(lambda: model(2)) == host_reads(lambda: model(6)) == 1
+    with pytest.raises(NonFiniteError, match=r"samples \[1\]"):
+        model(3, bad_layer=1)
+    model(2)  # the failed forward left nothing pending behind
 
 
 def test_stop_fraction_and_solver_halting_act_on_the_device():
