@@ -158,8 +158,9 @@ class FPRMConfig(FixedPointConfigMixin, PretrainedConfig):
             raise ValueError(f"eval_step_decay={eval_step_decay!r} is fpopt's step-size decay at evaluation; "
                              f"fp_solver={self.fp_solver!r} has no step size (use fp_solver='fpopt' or leave "
                              f"eval_step_decay at {EVAL_STEP_DECAY}).")
-        if not isinstance(conv_skip, bool):
-            raise ValueError(f"conv_skip must be True or False, got {conv_skip!r}.")
+        for name in ("spectral_norm", "output_norm", "conv_skip"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}.")
         check_choice(init_noise, "init_noise", INIT_NOISES)
         check_choice(solve_mode, "solve_mode", SOLVE_MODES)
         if solve_mode == "official" and self.fp_solver not in WINDOW_SOLVERS:
