@@ -312,7 +312,8 @@ def _puzzle_section() -> list:
     families = (FPRMConfig, TRMConfig, URMConfig)
     lines = ["## Puzzle families: FPRM, TRM, URM", "",
              "Every field of their configs, besides the `fp_*` settings (their defaults are in the table above). Set "
-             "in the config or at load (`from_pretrained(dir, halt_max_steps=32)`); not per call. "
+             "in the config, at load (`from_pretrained(dir, halt_max_steps=32)`) or by assignment, checked against "
+             "the other fields each time; not per call. "
              "`recipes/reasoning.py` takes `hidden_size`, `num_attention_heads`, `num_layers`, `puzzle_emb_len`, "
              "`halt_max_steps` and `loss_type` as flags (its task presets set some of them) and any other field "
              "as JSON (`--model_kwargs '{\"conv\": \"2d\"}'`). A dash: the family has no such field.", "",

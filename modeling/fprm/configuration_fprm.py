@@ -3,9 +3,9 @@
 from transformers import PretrainedConfig
 
 from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
-from .fp_reasoning import CONV_KINDS, check_puzzle_config
+from .fp_reasoning import CONV_KINDS, PuzzleConfigMixin, check_puzzle_config
 from .fp_registry import check_choice, check_number, complete_auto_map
-from .fp_settings import FixedPointConfigMixin, pop_fp_kwargs
+from .fp_settings import pop_fp_kwargs
 from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_problems)
 
@@ -22,7 +22,7 @@ FPRM_FP_DEFAULTS = {"fp_solver": "fpopt", "fp_norm": "token_linf", "fp_tol": 0.1
                     "fp_eval_max_iter": 200, "fp_backward": "bptt", "fp_backward_steps": 6}
 
 
-class FPRMConfig(FixedPointConfigMixin, PretrainedConfig):
+class FPRMConfig(PuzzleConfigMixin, PretrainedConfig):
     r"""
     Shared puzzle fields (also in TRM and URM):
         vocab_size, seq_len: token vocabulary and puzzle length (from the dataset's ``PuzzleMetadata``).
