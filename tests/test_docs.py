@@ -153,5 +153,26 @@ def test_settings_reference_reads_the_allowed_values_from_the_validators():
     solvers = "`'anderson'`, `'broyden'`, `'fpopt'`, `'picard'`, `'picard_adaptive'`"
     assert f"| `fp_solver` | `'anderson'` | {solvers} |" in text
     assert "| `fp_max_iter` | `30` | integer in [1, inf) |" in text
+    assert "| `halt_max_steps` | `16` | `16` | `16` | integer in [1, inf) |" in text
+    assert "| `deq` | — | `False` | — | `True`, `False` |" in text
     with pytest.raises(ValueError, match="names no allowed values"):
         settings_doc.allowed_values("x", lambda v: None)
+
+    def names_another_field(value):
+        raise ValueError(f"y={value!r} is not allowed. Allowed values: 'a'.")
+
+    with pytest.raises(ValueError, match="the error for a bad x names another field"):
+        settings_doc.allowed_values("x", names_another_field)
+
+
+def test_settings_reference_covers_every_puzzle_config_field():
+    import inspect
+
+    from hf_fixedpoint.modeling import FPRMConfig, TRMConfig, URMConfig
+    from tools import settings_doc
+
+    text = (ROOT / "docs" / "settings.md").read_text()
+    for config_class in (FPRMConfig, TRMConfig, URMConfig):
+        fields = [p for p in inspect.signature(config_class.__init__).parameters if p not in ("self", "kwargs")]
+        assert set(fields) <= settings_doc.knob_names()
+        assert all(f"| `{field}` |" in text for field in fields), config_class.__name__

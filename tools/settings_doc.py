@@ -5,7 +5,8 @@
 
 Names and defaults come from the code: ``FP_DEFAULTS`` (``hf_fixedpoint/core/fp_settings.py``), ``FPSA_DEFAULTS``
 (``fp_fpsa_settings.py``), each family's config for its own defaults of the ``fp_*`` knobs, and the signatures of
-``OuroConfig`` and ``AttractorConfig`` for those families' own knobs. The allowed values are read from the validators
+``OuroConfig`` and ``AttractorConfig`` for those families' own knobs, and the signatures of ``FPRMConfig``,
+``TRMConfig`` and ``URMConfig`` for every field of the puzzle families. The allowed values are read from the validators
 themselves: each knob is given a value no validator accepts, and the ``ValueError`` it raises names the allowed
 values. Only the descriptions are written here (``DESCRIPTIONS``, keyed by knob name); a knob without one is an
 error, so a new knob in the code fails ``tests/test_docs.py`` until it is described.
@@ -98,6 +99,71 @@ DESCRIPTIONS = {
                       "per_call": "readout_iters"},
     "loop_guard_tol": "Depth guard: a call deeper than `trained_loops` whose state keeps changing by more than this "
                       "warns once (`LoopDepthWarning`); None disables it.",
+    # The puzzle families (FPRM, TRM, URM): every field of their configs.
+    "vocab_size": "Token vocabulary (from the dataset's `PuzzleMetadata`).",
+    "seq_len": "Puzzle length (from the dataset's `PuzzleMetadata`). Inputs may be longer (length generalization) "
+               "unless a layer is tied to the length (`mlp_t`, `conv=\"2d\"`, `pos_encodings=\"learned\"`).",
+    "hidden_size": "Width of the state.",
+    "num_attention_heads": "Attention heads; must divide `hidden_size`.",
+    "expansion": "SwiGLU expansion of the width.",
+    "mlp_multiple_of": "The SwiGLU width is rounded up to a multiple of this (256 in the research code).",
+    "num_puzzle_identifiers": "Rows of the puzzle-id embedding table (from the dataset); a checkpoint loads only "
+                              "with its own count.",
+    "puzzle_emb_len": "Prefix positions `P` of the puzzle embedding (0 disables it).",
+    "puzzle_emb_ndim": {"text": "Width of the puzzle embedding; None: `hidden_size`.",
+                        "allowed": "integer in [1, `puzzle_emb_len * hidden_size`], or None"},
+    "pos_encodings": "`rope`: rotary attention; `learned`: a learned embedding per position added to the input "
+                     "injection (TRM/HRM's `learned`; inputs of length `seq_len` only); `none`: no positions.",
+    "causal": "Causal attention (position t sees <= t), the state-tracking set-up; the Q-halt head then reads the "
+              "last position. Not with `mlp_t` or `conv=\"2d\"`.",
+    "rope_theta": "Base of the rotary encoding.",
+    "rms_norm_eps": "Epsilon of the RMS norms.",
+    "forward_dtype": "Activation dtype (weights stay float32).",
+    "grid_shape": {"text": "`[rows, cols]` of the puzzle grid, needed by `conv=\"2d\"` (rows x cols must equal "
+                           "`seq_len`).",
+                   "allowed": "None, or [rows, cols] of positive integers"},
+    "halt_max_steps": "ACT supervision steps per puzzle: a slot always halts after this many (at evaluation every "
+                      "slot runs them all, so batches stay in lockstep).",
+    "halt_exploration_prob": "Training: probability per slot of halting no earlier than a random step in "
+                             "{2, ..., `halt_max_steps`} (TRM's exploration).",
+    "loss_type": "Cross-entropy of the ACT loss head: `stablemax` (in float64) or `softmax`.",
+    "q_loss_weight": "Weight of the Q-halt loss (BCE of the halt logit against 'the puzzle is exactly right').",
+    "num_layers": "Blocks of the recurrent map. FPRM: pre-norm blocks of `f`; TRM: post-norm blocks of the one "
+                  "network that updates both latents; URM: post-norm attention + ConvSwiGLU blocks applied per loop "
+                  "`h = blocks(h + x)`.",
+    "residual_scale": "FPRM: `learned` (per-channel `alpha = sigmoid(theta)`, trained) or `fixed` (kept at init).",
+    "alpha_1_init": "FPRM: initial `alpha_1`, the sublayer residual scale.",
+    "alpha_2_init": "FPRM: initial `alpha_2`, the state injection scale.",
+    "conv": "FPRM: short depthwise convolution of the state's grid part before the injection: `none`, `1d` (causal, "
+            "left padded) or `2d` (needs `grid_shape`).",
+    "conv_kernel": "FPRM: kernel size of `conv` (a 2-D kernel of 17 reaches every Sudoku cell's whole row and "
+                   "column; the research code's 3 only its neighbours).",
+    "spectral_norm": "FPRM: spectral-normalize every linear layer of the blocks.",
+    "output_norm": "FPRM: RMS-normalize the output of `f`.",
+    "init_mode": "FPRM: start the solve from noise of std `init_std` (`noise`) or from a fixed random vector "
+                 "(`fixed`).",
+    "init_std": "FPRM: std of the initial noise.",
+    "seed": {"text": "FPRM: seed of the generator of the evaluation noise (one draw shared by the batch).",
+             "allowed": "any integer"},
+    "bptt_window": "FPRM: solver steps with gradient per supervision step (truncated BPTT window).",
+    "eval_step_decay": "FPRM: `fpopt`'s step-size decay at evaluation (training decays by "
+                       "`fp_solver_kwargs[\"decay\"]`); only with `fp_solver=\"fpopt\"`.",
+    "conv_skip": "FPRM: use `y + conv(y)` on the grid part instead of `conv(y)` (same maps, another initialization).",
+    "init_noise": "FPRM: initial noise `truncated` (at 2 std, the research code) or `normal`.",
+    "solve_mode": "FPRM: `official` steps the research code's windows and batch halting (needs `fp_solver` `fpopt` "
+                  "or `picard`); `per_sample` freezes each converged puzzle and solves a call without a state with "
+                  "`fixed_point` (any solver and backward mode).",
+    "pad_id": "FPRM: input token of padding, left out of the `token_linf` residual; None counts every position.",
+    "H_cycles": "TRM: cycles per supervision step, each of `L_cycles` updates of `z` and one of `y`; only the last "
+                "carries gradient.",
+    "L_cycles": "TRM: updates `z = net(z, y + x)` per cycle. URM: loops with gradient per supervision step (the "
+                "loops before them run forward-only as the `fp_*` solve).",
+    "mlp_t": "TRM: replace attention by a SwiGLU over the sequence axis (TRM-MLP, for Sudoku; use with "
+             "`pos_encodings=\"none\"`).",
+    "deq": "TRM: Attractor-reasoning, each cycle's `L_cycles` updates become a fixed-point solve of "
+           "`z = net(z, y + x)` with the `fp_*` settings.",
+    "jacobian_reg_weight": "TRM with `deq`: weight of the Hutchinson estimate of `||J||_F^2 / d` at the fixed point "
+                           "in the training loss (0: none).",
 }
 
 OURO_KNOBS = ("total_ut_steps", "early_exit_threshold", "early_exit_step", "early_exit_tol", "early_exit_mode",
@@ -126,6 +192,10 @@ def allowed_values(name: str, check) -> str:
             message = str(error)
         else:
             continue
+        if not message.startswith(name):
+            raise ValueError(f"the error for a bad {name} names another field: {message}")
+        if "must be True or False" in message:
+            return "`True`, `False`"
         listed = re.search(r"Allowed values: (.*?)\.?$", message)
         if listed:
             return ", ".join(f"`{v.strip()}`" for v in listed.group(1).split(","))
@@ -222,12 +292,46 @@ def _own_sections() -> list:
     return ouro + [""] + attractor
 
 
+def _puzzle_fields() -> dict:
+    """Every field of the puzzle families' configs (their signatures, less ``**kwargs``), in order: the fields all
+    three share, then each family's own; each mapped to ``{config class: default}``."""
+    from hf_fixedpoint.modeling import FPRMConfig, TRMConfig, URMConfig
+
+    fields = {}
+    for config_class in (FPRMConfig, TRMConfig, URMConfig):
+        for param in list(inspect.signature(config_class.__init__).parameters.values())[1:]:
+            if param.kind is not inspect.Parameter.VAR_KEYWORD:
+                fields.setdefault(param.name, {})[config_class] = param.default
+    shared = [name for name, defaults in fields.items() if len(defaults) == 3]
+    return {name: fields[name] for name in shared + [n for n in fields if n not in shared]}
+
+
+def _puzzle_section() -> list:
+    from hf_fixedpoint.modeling import FPRMConfig, TRMConfig, URMConfig
+
+    families = (FPRMConfig, TRMConfig, URMConfig)
+    lines = ["## Puzzle families: FPRM, TRM, URM", "",
+             "Every field of their configs, besides the `fp_*` settings (their defaults are in the table above). Set "
+             "in the config, at load (`from_pretrained(dir, halt_max_steps=32)`) or by assignment, checked against "
+             "the other fields each time; not per call. "
+             "`recipes/reasoning.py` takes `hidden_size`, `num_attention_heads`, `num_layers`, `puzzle_emb_len`, "
+             "`halt_max_steps` and `loss_type` as flags (its task presets set some of them) and any other field "
+             "as JSON (`--model_kwargs '{\"conv\": \"2d\"}'`). A dash: the family has no such field.", "",
+             _row(["setting", "FPRM", "TRM", "URM", "allowed values", "what it does"]), _row(["---"] * 6)]
+    for name, defaults in _puzzle_fields().items():
+        owner = next(c for c in families if c in defaults)
+        allowed = allowed_values(name, lambda v, n=name, c=owner: c(**{n: v}))
+        cells = [f"`{defaults[c]!r}`" if c in defaults else "—" for c in families]
+        lines.append(_row([f"`{name}`", *cells, allowed, _text(name)]))
+    return lines
+
+
 def knob_names() -> set:
-    """Every knob the reference covers, from the code's tables."""
+    """Every knob the reference covers, from the code's tables and the puzzle configs' signatures."""
     from hf_fixedpoint.core.fp_fpsa_settings import FPSA_DEFAULTS
     from hf_fixedpoint.core.fp_settings import FP_DEFAULTS
 
-    return set(FP_DEFAULTS) | set(FPSA_DEFAULTS) | set(OURO_KNOBS) | set(ATTRACTOR_KNOBS)
+    return set(FP_DEFAULTS) | set(FPSA_DEFAULTS) | set(OURO_KNOBS) | set(ATTRACTOR_KNOBS) | set(_puzzle_fields())
 
 
 def render() -> str:
@@ -235,9 +339,9 @@ def render() -> str:
             "<!-- Generated by `python -m tools.settings_doc` from the settings tables in the code; do not edit. -->",
             "", "Every setting is checked wherever it enters (constructor, assignment, `from_pretrained`, each call, "
             "lm-eval `model_args`): an unknown key or a value outside the allowed ones is a `ValueError` naming the "
-            "key and the allowed values. A model's architecture fields (hidden size, layers, ...) are described in "
-            "its config class's docstring.", ""]
-    body = _fp_sections() + [""] + _family_defaults() + [""] + _own_sections()
+            "key and the allowed values. A language or vision model's architecture fields (hidden size, layers, ...) "
+            "are described in its config class's docstring; the puzzle families' fields are all listed here.", ""]
+    body = _fp_sections() + [""] + _family_defaults() + [""] + _own_sections() + [""] + _puzzle_section()
     return "\n".join(head + body) + "\n"
 
 

@@ -3,9 +3,9 @@
 from transformers import PretrainedConfig
 
 from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
-from .fp_reasoning import CONV_KINDS, check_puzzle_config
+from .fp_reasoning import CONV_KINDS, PuzzleConfigMixin, check_puzzle_config
 from .fp_registry import check_choice, check_number, complete_auto_map
-from .fp_settings import FixedPointConfigMixin, pop_fp_kwargs
+from .fp_settings import pop_fp_kwargs
 from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_problems)
 
@@ -22,7 +22,7 @@ FPRM_FP_DEFAULTS = {"fp_solver": "fpopt", "fp_norm": "token_linf", "fp_tol": 0.1
                     "fp_eval_max_iter": 200, "fp_backward": "bptt", "fp_backward_steps": 6}
 
 
-class FPRMConfig(FixedPointConfigMixin, PretrainedConfig):
+class FPRMConfig(PuzzleConfigMixin, PretrainedConfig):
     r"""
     Shared puzzle fields (also in TRM and URM):
         vocab_size, seq_len: token vocabulary and puzzle length (from the dataset's ``PuzzleMetadata``).
@@ -158,8 +158,9 @@ class FPRMConfig(FixedPointConfigMixin, PretrainedConfig):
             raise ValueError(f"eval_step_decay={eval_step_decay!r} is fpopt's step-size decay at evaluation; "
                              f"fp_solver={self.fp_solver!r} has no step size (use fp_solver='fpopt' or leave "
                              f"eval_step_decay at {EVAL_STEP_DECAY}).")
-        if not isinstance(conv_skip, bool):
-            raise ValueError(f"conv_skip must be True or False, got {conv_skip!r}.")
+        for name in ("spectral_norm", "output_norm", "conv_skip"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}.")
         check_choice(init_noise, "init_noise", INIT_NOISES)
         check_choice(solve_mode, "solve_mode", SOLVE_MODES)
         if solve_mode == "official" and self.fp_solver not in WINDOW_SOLVERS:

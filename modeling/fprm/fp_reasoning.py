@@ -26,8 +26,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .fp_registry import check_choice, check_number
-from .fp_settings import call_knobs
+from .fp_registry import check_choice, check_number, keyword_options
+from .fp_settings import FP_DEFAULTS, FixedPointConfigMixin, call_knobs
 
 NORM_PLACEMENTS = ("post", "pre")
 MLP_KINDS = ("swiglu", "conv_swiglu")
@@ -449,6 +449,27 @@ def check_puzzle_config(c) -> None:
             raise ValueError(f"grid_shape must be [rows, cols] of positive integers, got {c.grid_shape!r}.")
 
 
+
+class PuzzleConfigMixin(FixedPointConfigMixin):
+    """Put before ``PretrainedConfig`` in a puzzle family's config. Its ``__init__`` validates the fields together
+    (they constrain one another: ``conv="2d"`` needs ``grid_shape``, ``causal`` excludes ``mlp_t``), so
+    ``from_pretrained(dir, field=value)`` keywords join the saved fields before ``__init__`` runs (transformers would
+    set them after it, unchecked), and a later ``config.field = value`` is checked by building the config again with
+    the new value (the error names the field and its allowed values)."""
+
+    def check_setting(self, key: str, value) -> None:
+        super().check_setting(key, value)
+        fields = keyword_options(type(self))
+        current = vars(self)
+        names = fields + tuple(FP_DEFAULTS)
+        if key in fields and all(k in current for k in names):  # constructed: check the whole config with the value
+            type(self)(**{**{k: current[k] for k in names}, key: value})
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        fields = {k: kwargs.pop(k) for k in [k for k in kwargs if k in keyword_options(cls)]}
+        return super().from_dict({**config_dict, **fields}, **kwargs)
+
 def build_blocks(c, num_layers: int, norm: str, mlp: str = "swiglu", mlp_t: bool = False) -> nn.ModuleList:
     """``num_layers`` ``ReasoningBlock``s: attention (causal with ``c.causal``; or TRM's sequence MLP) +
     ``swiglu``/``conv_swiglu``."""
@@ -728,6 +749,7 @@ __all__ = [
     "CastedLinear",
     "ConvSwiGLU",
     "PuzzleCheckpointMixin",
+    "PuzzleConfigMixin",
     "PuzzleHeads",
     "PuzzleInput",
     "PuzzleSolverMixin",

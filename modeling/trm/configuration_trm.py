@@ -4,9 +4,9 @@ Attractor-reasoning / TRM-DEQ ("Solve the Loop: Attractor Models", puzzle experi
 from transformers import PretrainedConfig
 
 from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
-from .fp_reasoning import check_puzzle_config
+from .fp_reasoning import PuzzleConfigMixin, check_puzzle_config
 from .fp_registry import check_number, complete_auto_map
-from .fp_settings import FixedPointConfigMixin, pop_fp_kwargs
+from .fp_settings import pop_fp_kwargs
 from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_problems)
 
@@ -15,7 +15,7 @@ TRM_FP_DEFAULTS = {"fp_solver": "anderson", "fp_tol": 1e-3, "fp_max_iter": 8, "f
                    "fp_backward": "phantom", "fp_backward_steps": 2}
 
 
-class TRMConfig(FixedPointConfigMixin, PretrainedConfig):
+class TRMConfig(PuzzleConfigMixin, PretrainedConfig):
     r"""
     Shared puzzle fields: see ``FPRMConfig`` (vocab_size, seq_len, hidden_size, num_attention_heads, expansion,
     mlp_multiple_of, num_puzzle_identifiers, puzzle_emb_len, puzzle_emb_ndim, pos_encodings, causal,

@@ -4,9 +4,9 @@ through its loops and an ACT outer loop with a Q-halt head."""
 from transformers import PretrainedConfig
 
 from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
-from .fp_reasoning import check_puzzle_config
+from .fp_reasoning import PuzzleConfigMixin, check_puzzle_config
 from .fp_registry import check_number, complete_auto_map
-from .fp_settings import FixedPointConfigMixin, pop_fp_kwargs
+from .fp_settings import pop_fp_kwargs
 from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_problems)
 
@@ -14,7 +14,7 @@ from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_p
 URM_FP_DEFAULTS = {"fp_solver": "picard", "fp_tol": 1e-9, "fp_max_iter": 6, "fp_return": "last"}
 
 
-class URMConfig(FixedPointConfigMixin, PretrainedConfig):
+class URMConfig(PuzzleConfigMixin, PretrainedConfig):
     r"""
     Shared puzzle fields: see ``FPRMConfig``.
 

@@ -206,6 +206,26 @@ class PuzzleModelTesterMixin(FixedPointModelTesterMixin):
         with pytest.raises(ValueError, match="grid_shape must be"):
             self.get_config(grid_shape=[3])
 
+    def test_fields_are_checked_at_load_and_by_assignment(self, tmp_path):
+        # from_pretrained(dir, field=value) and config.field = value go through the same checks as the constructor,
+        # cross-field ones included (transformers would set them after __init__, unchecked).
+        self.build_puzzle().save_pretrained(tmp_path)
+        loaded = self.puzzle_class.from_pretrained(tmp_path, halt_max_steps=7, fp_max_iter=3)
+        assert (loaded.config.halt_max_steps, loaded.config.fp_max_iter) == (7, 3)
+        with pytest.raises(ValueError, match=r"halt_max_steps=0 is out of range; allowed values lie in \[1, inf\)"):
+            self.puzzle_class.from_pretrained(tmp_path, halt_max_steps=0)
+        with pytest.raises(ValueError, match="loss_type='l2' is not allowed"):
+            self.puzzle_class.from_pretrained(tmp_path, loss_type="l2")
+        config = loaded.config
+        config.q_loss_weight = 0.25
+        assert config.q_loss_weight == 0.25
+        with pytest.raises(ValueError, match="causal must be True or False, got 1"):
+            config.causal = 1
+        odd = config.num_attention_heads * 8 + 1
+        with pytest.raises(ValueError, match=f"hidden_size={odd} must be divisible by num_attention_heads"):
+            config.hidden_size = odd
+        assert config.causal is False and config.hidden_size != odd  # a refused value is not set
+
     def test_puzzle_id_count_must_match_the_checkpoint(self, tmp_path):
         self.build_puzzle(num_puzzle_identifiers=3).save_pretrained(tmp_path)
         with pytest.raises(ValueError, match="num_puzzle_identifiers=5 differs from the checkpoint's 3"):

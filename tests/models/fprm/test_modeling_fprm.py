@@ -213,6 +213,9 @@ class TestFPRM(PuzzleModelTesterMixin):
             self.get_config(causal=True, conv="2d", grid_shape=[3, 3])
         with pytest.raises(ValueError, match="residual_scale"):
             self.get_config(residual_scale="input-dependent")
+        for name in ("spectral_norm", "output_norm", "conv_skip"):
+            with pytest.raises(ValueError, match=f"{name} must be True or False, got 'yes'"):
+                self.get_config(**{name: "yes"})
 
     def test_evaluation_output_does_not_depend_on_the_batch(self):
         # The seeded starting noise is the same for every slot: a puzzle alone, first or last in a batch gives the
