@@ -449,7 +449,6 @@ def check_puzzle_config(c) -> None:
             raise ValueError(f"grid_shape must be [rows, cols] of positive integers, got {c.grid_shape!r}.")
 
 
-
 class PuzzleConfigMixin(FixedPointConfigMixin):
     """Put before ``PretrainedConfig`` in a puzzle family's config. Its ``__init__`` validates the fields together
     (they constrain one another: ``conv="2d"`` needs ``grid_shape``, ``causal`` excludes ``mlp_t``), so
@@ -469,6 +468,7 @@ class PuzzleConfigMixin(FixedPointConfigMixin):
     def from_dict(cls, config_dict, **kwargs):
         fields = {k: kwargs.pop(k) for k in [k for k in kwargs if k in keyword_options(cls)]}
         return super().from_dict({**config_dict, **fields}, **kwargs)
+
 
 def build_blocks(c, num_layers: int, norm: str, mlp: str = "swiglu", mlp_t: bool = False) -> nn.ModuleList:
     """``num_layers`` ``ReasoningBlock``s: attention (causal with ``c.causal``; or TRM's sequence MLP) +
