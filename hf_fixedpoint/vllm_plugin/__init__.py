@@ -5,12 +5,14 @@ takes): ``vllm.general_plugins`` calls ``register`` in every vLLM process, and `
 ``knobs.OuroRequestKnobs``, which carries the per-request settings (``SamplingParams(extra_args=...)``) to the model.
 Nothing here is imported by ``import hf_fixedpoint``; this package imports vLLM.
 
-Served natively: Ouro (``OuroForCausalLM``: the package's exports and the released ``ByteDance/Ouro-*`` checkpoints).
+Served natively: Ouro (``OuroForCausalLM``: the package's exports and the released ``ByteDance/Ouro-*`` checkpoints)
+and Attractor LM (``AttractorForCausalLM``).
 The other causal-LM families are refused by their exports' own ``is_backend_compatible()`` (``fp_engines``), with the
 reason, instead of running wrongly on vLLM's generic Transformers backend.
 """
 
 OURO_ARCHITECTURE = "OuroForCausalLM"
+ATTRACTOR_ARCHITECTURE = "AttractorForCausalLM"
 
 
 def register() -> None:
@@ -18,9 +20,11 @@ def register() -> None:
     from vllm import ModelRegistry
 
     ModelRegistry.register_model(OURO_ARCHITECTURE, "hf_fixedpoint.vllm_plugin.ouro:OuroForCausalLM")
-    from .knobs import register_config_hook
+    from .knobs import AttractorConfigHook, register_config_hook
 
     register_config_hook(OURO_ARCHITECTURE)
+    ModelRegistry.register_model(ATTRACTOR_ARCHITECTURE, "hf_fixedpoint.vllm_plugin.attractor:AttractorForCausalLM")
+    register_config_hook(ATTRACTOR_ARCHITECTURE, AttractorConfigHook)
 
 
-__all__ = ["OURO_ARCHITECTURE", "register"]
+__all__ = ["ATTRACTOR_ARCHITECTURE", "OURO_ARCHITECTURE", "register"]

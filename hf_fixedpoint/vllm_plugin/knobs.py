@@ -9,6 +9,7 @@ them per token (rows are mapped to tokens through the attention metadata's ``que
 The largest allowed ``total_ut_steps`` is the engine's loop count (the config's ``total_ut_steps``, e.g. from
 ``hf_overrides``): the paged KV cache holds one slot per (loop, layer) for that many loops. The front-end learns it
 from ``OuroConfigHook``, which vLLM runs on the engine's config when it is built (in the front-end process).
+``AttractorConfigHook`` is Attractor LM's: it refuses, at engine start, the settings its native model does not serve.
 """
 
 import math
@@ -21,13 +22,18 @@ from .settings import check_request
 _SERVED = {"loops": None}
 
 
-class OuroConfigHook:
-    """vLLM's per-architecture config hook (``MODELS_CONFIG_MAP``): refuses the settings the native Ouro does not
-    serve, and records the engine's loop count for the request checks of this process."""
+class ConfigHook:
+    """vLLM's per-architecture config hook (``MODELS_CONFIG_MAP``); a family's hook checks its config in
+    ``verify_and_update_config``."""
 
     @staticmethod
     def verify_and_update_model_config(model_config) -> None:
         return
+
+
+class OuroConfigHook(ConfigHook):
+    """Ouro's config hook: refuses the settings the native Ouro does not serve, and records the engine's loop count
+    for the request checks of this process."""
 
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
@@ -45,11 +51,26 @@ class OuroConfigHook:
         _SERVED["loops"] = int(config.total_ut_steps)
 
 
-def register_config_hook(architecture: str) -> None:
-    """Add ``OuroConfigHook`` to vLLM's table of per-architecture config hooks."""
+class AttractorConfigHook(ConfigHook):
+    """Attractor LM's config hook: refuses, at engine start, the settings the
+    native Attractor LM would not serve as transformers runs them."""
+
+    @staticmethod
+    def verify_and_update_config(vllm_config) -> None:
+        config = vllm_config.model_config.hf_config
+        fraction = getattr(config, "fp_stop_fraction", 0.0)
+        if fraction:
+            raise ValueError(f"fp_stop_fraction={fraction!r} is not served by hf-fixedpoint's vLLM plugin: it stops "
+                             "the solve once that fraction of the batch's tokens is left, so a request's tokens would "
+                             "depend on the other requests of the batch. Allowed values: 0.0 (start vLLM with "
+                             "hf_overrides={'fp_stop_fraction': 0.0}).")
+
+
+def register_config_hook(architecture: str, hook=OuroConfigHook) -> None:
+    """Add ``hook`` to vLLM's table of per-architecture config hooks."""
     from vllm.model_executor.models import config as model_configs
 
-    model_configs.MODELS_CONFIG_MAP[architecture] = OuroConfigHook
+    model_configs.MODELS_CONFIG_MAP[architecture] = hook
 
 
 class OuroRequestKnobs(LogitsProcessor):
@@ -107,4 +128,4 @@ class OuroRequestKnobs(LogitsProcessor):
         return depths, thresholds
 
 
-__all__ = ["OuroConfigHook", "OuroRequestKnobs", "register_config_hook"]
+__all__ = ["AttractorConfigHook", "ConfigHook", "OuroConfigHook", "OuroRequestKnobs", "register_config_hook"]

@@ -12,41 +12,29 @@
   later, deeper request may reuse the cached blocks); without it, only up to the deepest request of the batch.
 """
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 from vllm.config import VllmConfig
-from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.rotary_embedding import get_rope
-from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
+from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from vllm.model_executor.models.utils import WeightsMapper
 
 from hf_fixedpoint.modeling.ouro.modeling_ouro import ExitRule
 
+from .causal_lm import AttentionProjections, CausalLM
 from .knobs import OuroRequestKnobs
 
 
-class OuroAttention(nn.Module):
+class OuroAttention(AttentionProjections):
     """Fused q/k/v projection, RoPE, and one paged ``Attention`` per loop (its own KV slot)."""
 
     def __init__(self, config, layer: int, cache_config, quant_config, prefix: str):
-        super().__init__()
-        tp = get_tensor_model_parallel_world_size()
-        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = config.hidden_size // heads
-        self.num_heads, self.num_kv_heads = heads // tp, max(1, kv_heads // tp)
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, heads, kv_heads, bias=False,
-                                          quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
-        self.o_proj = RowParallelLinear(heads * self.head_dim, config.hidden_size, bias=False,
-                                        quant_config=quant_config, prefix=f"{prefix}.o_proj")
+        super().__init__(config, quant_config, prefix)
         self.rotary_emb = get_rope(self.head_dim, max_position=config.max_position_embeddings, is_neox_style=True,
                                    rope_parameters=getattr(config, "rope_parameters", None))
         layers = config.num_hidden_layers
@@ -58,8 +46,7 @@ class OuroAttention(nn.Module):
             for t in range(config.total_ut_steps))
 
     def forward(self, positions, hidden_states, loop: int):
-        qkv, _ = self.qkv_proj(hidden_states)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv(hidden_states)
         q, k = self.rotary_emb(positions, q, k)
         out, _ = self.o_proj(self.attn[loop](q, k, v))
         return out
@@ -190,38 +177,14 @@ class OuroModel(nn.Module):
         return torch.where(fire.any(0), fire.int().argmax(0), depth - 1)
 
 
-class OuroForCausalLM(nn.Module):
+class OuroForCausalLM(CausalLM):
     """vLLM's entry class for ``OuroForCausalLM`` checkpoints (the package's exports and ``ByteDance/Ouro-*``)."""
 
     hf_to_vllm_mapper = WeightsMapper(orig_to_new_stacked={
         ".q_proj": (".qkv_proj", "q"), ".k_proj": (".qkv_proj", "k"), ".v_proj": (".qkv_proj", "v"),
         ".gate_proj": (".gate_up_proj", 0), ".up_proj": (".gate_up_proj", 1)})
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
-
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
-        super().__init__()
-        config = vllm_config.model_config.hf_config
-        self.config = config
-        self.model = OuroModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=vllm_config.quant_config,
-                                      prefix=maybe_prefix(prefix, "lm_head"))
-        if config.tie_word_embeddings:
-            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
-        self.logits_processor = LogitsProcessor(config.vocab_size)
-
-    def embed_input_ids(self, input_ids):
-        return self.model.embed_input_ids(input_ids)
-
-    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
-        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
-
-    def compute_logits(self, hidden_states):
-        return self.logits_processor(self.lm_head, hidden_states)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        tied = ["lm_head."] if self.config.tie_word_embeddings else None  # the head is the embedding
-        loader = AutoWeightsLoader(self, ignore_unexpected_prefixes=tied)
-        return loader.load_weights(weights, mapper=self.hf_to_vllm_mapper)
+    model_class = OuroModel
 
 
 __all__ = ["OuroForCausalLM", "OuroModel"]

@@ -36,8 +36,6 @@ REFUSED = {
     "deq_lm": ("DEQLMConfig", "DEQLMForCausalLM", {}, "keeps no KV cache"),
     "self_llama": ("SelfLlamaConfig", "SelfLlamaForCausalLM", {"num_hidden_layers": 2}, "fixed point (FPSA)"),
     "self_mistral": ("SelfMistralConfig", "SelfMistralForCausalLM", {"num_hidden_layers": 2}, "fixed point (FPSA)"),
-    "attractor_lm": ("AttractorConfig", "AttractorForCausalLM", {"num_backbone_layers": 1, "num_attractor_layers": 1},
-                     "attractor layers iterate"),
 }
 SHAPE = {"vocab_size": 256, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2,
          "max_position_embeddings": 256}
