@@ -242,6 +242,22 @@ class Stateful:
             g.set_state(state[k])
 
 
+def epoch_loader(accelerator, loader, epoch: int, skip: int = 0):
+    """``loader`` (prepared by ``accelerator``) set to ``epoch`` and without its first ``skip`` batches: the rest of an
+    epoch that a resumed run has partly trained on.
+
+    With the seedable sampler, an epoch's shuffle is a function of (seed, epoch). ``accelerator.skip_first_batches``
+    returns a new loader whose epoch counter starts at 0, and before accelerate 1.15 starting its iterator set the
+    shared sampler to that epoch, so the rest of a later epoch came from epoch 0's shuffle. Setting the epoch on the
+    returned loader as well gives the interrupted run's batches on every accelerate release.
+    """
+    loaders = [loader, accelerator.skip_first_batches(loader, skip)] if skip else [loader]
+    for each in loaders:
+        if hasattr(each, "set_epoch"):
+            each.set_epoch(epoch)
+    return loaders[-1]
+
+
 class Preemption:
     """SIGTERM (a scheduler's preemption notice) sets a flag instead of killing the process; the training loop asks
     ``requested()`` after each optimizer step, saves a checkpoint and calls ``exit``.
@@ -336,5 +352,5 @@ def trim_jsonl(path: str, step: int, key: str = "step") -> None:
     os.replace(tmp, path)
 
 
-__all__ = ["Checkpointer", "Preemption", "Stateful", "checkpoint_folders", "latest_complete", "staged_folder",
-           "trim_jsonl", "verify", "write_json"]
+__all__ = ["Checkpointer", "Preemption", "Stateful", "checkpoint_folders", "epoch_loader", "latest_complete",
+           "staged_folder", "trim_jsonl", "verify", "write_json"]

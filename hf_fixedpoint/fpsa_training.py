@@ -18,7 +18,7 @@ from accelerate.utils import DataLoaderConfiguration, set_seed
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from hf_fixedpoint.checkpointing import Checkpointer, Preemption, staged_folder, verify
+from hf_fixedpoint.checkpointing import Checkpointer, Preemption, epoch_loader, staged_folder, verify
 from hf_fixedpoint.core.fp_fpsa_stats import FPSAStats
 from hf_fixedpoint.hub import export
 from hf_fixedpoint.recipe_args import (
@@ -197,10 +197,7 @@ def train(args, accelerator, model, train_loader):
     with Preemption(accelerator) as preemption:
         while step < total:
             epoch, done = divmod(step, steps_per_epoch)
-            if hasattr(train_loader, "set_epoch"):
-                train_loader.set_epoch(epoch)
-            skip = done * accumulation
-            batches = iter(accelerator.skip_first_batches(train_loader, skip) if skip else train_loader)
+            batches = iter(epoch_loader(accelerator, train_loader, epoch, skip=done * accumulation))
             first = next(batches, None)
             if resume:
                 # Mid-epoch, restored only now: starting the data iterator draws from the global RNG, as it did in

@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, PreTrainedTokenizerFast
 from transformers.optimization import get_wsd_schedule
 
-from hf_fixedpoint.checkpointing import Checkpointer, Preemption, Stateful, staged_folder, write_json
+from hf_fixedpoint.checkpointing import Checkpointer, Preemption, Stateful, epoch_loader, staged_folder, write_json
 from hf_fixedpoint.modeling import OuroConfig, OuroForCausalLM
 from hf_fixedpoint.modeling.ouro.configuration_ouro import EXIT_LOSSES
 from hf_fixedpoint.modeling.ouro.modeling_ouro import adaptive_gate_loss
@@ -557,14 +557,11 @@ def finetune_epochs(args, accelerator, prepared, ckpt, preemption, step, total, 
     stars = regularizer(args)
     draw = sampler(args)
     for epoch in range(args.epochs):
-        if hasattr(loader, "set_epoch"):
-            loader.set_epoch(epoch)
         skip = max(0, step * args.gradient_accumulation_steps - epoch * len(loader))
-        epoch_loader = accelerator.skip_first_batches(loader, skip) if 0 < skip < len(loader) else loader
         if skip >= len(loader):
             continue
-        micro = min(skip, len(loader))
-        for batch in epoch_loader:
+        micro = skip
+        for batch in epoch_loader(accelerator, loader, epoch, skip):
             # one loop count per micro-batch, the same on every rank
             loops = draw(epoch * len(loader) + micro)
             micro += 1

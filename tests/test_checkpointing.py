@@ -13,13 +13,14 @@ pytest.importorskip("accelerate")
 
 from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState  # noqa: E402
-from accelerate.utils import ProjectConfiguration  # noqa: E402
+from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration  # noqa: E402
 
 from hf_fixedpoint import checkpointing  # noqa: E402
 from hf_fixedpoint.checkpointing import (  # noqa: E402
     Checkpointer,
     Preemption,
     Stateful,
+    epoch_loader,
     latest_complete,
     staged_folder,
     trim_jsonl,
@@ -133,6 +134,19 @@ def test_stateful_objects_round_trip(setup, tmp_path):
     want = torch.rand(5, generator=g)
     ckpt.load("latest")
     assert torch.equal(torch.rand(5, generator=g), want)
+
+
+@pytest.mark.parametrize("epoch", [0, 1, 2])
+def test_epoch_loader_skips_into_the_same_epochs_shuffle(epoch):
+    # A resumed run's rest of an epoch: the seedable sampler's shuffle of that epoch, not of epoch 0 (accelerate
+    # before 1.15 reset the sampler to epoch 0 when the loader from skip_first_batches started).
+    AcceleratorState._reset_state(True)
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    loader = accelerator.prepare(torch.utils.data.DataLoader(torch.arange(12), batch_size=4, shuffle=True))
+    whole = [b.tolist() for b in epoch_loader(accelerator, loader, epoch)]
+    rest = [b.tolist() for b in epoch_loader(accelerator, loader, epoch, skip=1)]
+    assert rest == whole[1:] and sorted(sum(whole, [])) == list(range(12))
+    assert [b.tolist() for b in epoch_loader(accelerator, loader, epoch)] == whole  # the skip left the epoch as it was
 
 
 def test_automatic_checkpoint_naming_is_refused(tmp_path):
