@@ -1,0 +1,53 @@
+"""What the native SELF-LLaMA / SELF-Mistral serve, checked when vLLM builds its engine config (before any worker
+starts): an export it would serve differently from transformers is refused with a ``ValueError`` naming the setting and
+the values allowed. ``check_engine`` imports nothing from vLLM (tested without it); ``SelfFPSAConfigHook`` is the
+per-architecture hook vLLM runs (``MODELS_CONFIG_MAP``)."""
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+PLUGIN = "hf-fixedpoint's vLLM plugin"
+
+
+def check_engine(hf_config, tensor_parallel_size: int) -> None:
+    """Refuse what the vLLM solve cannot run as transformers does."""
+    if tensor_parallel_size != 1:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} is not served by {PLUGIN} for "
+                         f"{type(hf_config).__name__}: each rank would halt its own heads' fixed-point solve and stop "
+                         "joining the all-reduce of the iterate while the others go on. Allowed values: 1.")
+    fraction = getattr(hf_config, "fp_stop_fraction", 0.0)
+    if fraction != 0.0:
+        raise ValueError(f"fp_stop_fraction={fraction!r} is not served by {PLUGIN}: vLLM solves the tokens of every "
+                         "request in the batch together, so a share of open entries would make a request's tokens "
+                         "depend on its batch-mates. Allowed values: 0.0 (start vLLM with "
+                         "hf_overrides={'fp_stop_fraction': 0.0}).")
+
+
+class SelfFPSAConfigHook:
+    """vLLM's config hook for the SELF architectures: the checks above, and eager execution (the number of solve
+    iterations depends on the data, which neither a CUDA graph nor vLLM's compiled graph can hold)."""
+
+    @staticmethod
+    def verify_and_update_model_config(model_config) -> None:
+        return
+
+    @staticmethod
+    def verify_and_update_config(vllm_config) -> None:
+        model_config = vllm_config.model_config
+        check_engine(model_config.hf_config, vllm_config.parallel_config.tensor_parallel_size)
+        if not model_config.enforce_eager:
+            logger.info("%s: %s runs eagerly (enforce_eager=True): its fixed-point solves stop when they converge.",
+                        PLUGIN, model_config.architecture)
+            model_config.enforce_eager = True
+
+
+def register_config_hooks(architectures) -> None:
+    """Add ``SelfFPSAConfigHook`` to vLLM's table of per-architecture config hooks."""
+    from vllm.model_executor.models import config as model_configs
+
+    for architecture in architectures:
+        model_configs.MODELS_CONFIG_MAP[architecture] = SelfFPSAConfigHook
+
+
+__all__ = ["SelfFPSAConfigHook", "check_engine", "register_config_hooks"]
