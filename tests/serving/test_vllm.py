@@ -34,8 +34,6 @@ BAD = [({"total_ut_steps": 0}, "total_ut_steps"), ({"total_ut_steps": LOOPS + 1}
 # family -> (config class, causal-LM class, its own config keys, a phrase of its refusal); head dim 64 each
 REFUSED = {
     "deq_lm": ("DEQLMConfig", "DEQLMForCausalLM", {}, "keeps no KV cache"),
-    "self_llama": ("SelfLlamaConfig", "SelfLlamaForCausalLM", {"num_hidden_layers": 2}, "fixed point (FPSA)"),
-    "self_mistral": ("SelfMistralConfig", "SelfMistralForCausalLM", {"num_hidden_layers": 2}, "fixed point (FPSA)"),
     "attractor_lm": ("AttractorConfig", "AttractorForCausalLM", {"num_backbone_layers": 1, "num_attractor_layers": 1},
                      "attractor layers iterate"),
 }
