@@ -1,7 +1,7 @@
 """SELF-LLaMA and SELF-Mistral as native vLLM models: vLLM's own Llama (``vllm.model_executor.models.llama``: fused
-projections, RoPE, MLP, norms, weight loading, pipeline stages) with each layer's attention solved to a fixed point by
-the package's FPSA operator (``core.fp_fpsa.fpsa_attention``: the same solver, tolerance, cap, per-(token, head)
-halting, update form and temperature as ``modeling/self_llama``; ``fp_max_iter=1`` is the base model).
+projections, RoPE, MLP, norms, weight loading) with each layer's attention solved to a fixed point by the package's
+FPSA operator (``core.fp_fpsa.fpsa_attention``: the same solver, tolerance, cap, per-(token, head) halting, update
+form and temperature as ``modeling/self_llama``; ``fp_max_iter=1`` is the base model).
 
 * Every evaluation of the map calls the layer's paged vLLM ``Attention`` with the queries and keys of the current
   iterate and the static values: the call writes the batch's tokens' keys into their cache slots, and each token
