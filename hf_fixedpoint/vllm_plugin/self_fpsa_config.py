@@ -5,7 +5,7 @@ per-architecture hook vLLM runs (``MODELS_CONFIG_MAP``)."""
 
 import logging
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, whose handlers vLLM configures
 
 PLUGIN = "hf-fixedpoint's vLLM plugin"
 
@@ -37,7 +37,7 @@ class SelfFPSAConfigHook:
         model_config = vllm_config.model_config
         check_engine(model_config.hf_config, vllm_config.parallel_config.tensor_parallel_size)
         if not model_config.enforce_eager:
-            logger.info("%s: %s runs eagerly (enforce_eager=True): its fixed-point solves stop when they converge.",
+            logger.warning("%s: %s runs eagerly (enforce_eager=True): its fixed-point solves stop when they converge.",
                         PLUGIN, model_config.architecture)
             model_config.enforce_eager = True
 

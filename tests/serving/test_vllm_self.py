@@ -2,12 +2,14 @@
 skips it):
 
 * greedy tokens equal transformers' ``generate`` per prompt, prompts of different lengths in one batch and the same
-  prompts beside other batch-mates, where every solve converges (the reference checks that it does);
+  prompts beside other batch-mates, where every solve converges (the reference checks that it does), and so do their
+  log-probabilities to 1e-5 (measured: 1e-6; 7e-5 when the converged keys are not stored after each solve);
 * ``fp_max_iter=1`` (set with ``hf_overrides``) gives the base model's tokens, which differ from the solved ones;
 * SELF-Mistral with a sliding window shorter than prompt plus output, and a learned per-head temperature;
-* settings the plugin cannot serve are refused at engine start, naming the setting and the allowed values.
+* settings the plugin cannot serve are refused at engine start, naming the setting and the allowed values, and an
+  engine started without ``enforce_eager`` runs eagerly all the same (its config, built here).
 
-All vLLM runs happen in one child process (``vllm_runs``); the tests compare its report with transformers.
+All engines run in one child process (``vllm_runs``); the tests compare its report with transformers.
 """
 
 import pytest
@@ -56,7 +58,7 @@ def served(tmp_path_factory):
     llama_export(tmp / "llama")
     mistral_export(tmp / "mistral")
     batches = [{"prompts": PROMPTS, "extra_args": [{}] * 3}, {"prompts": MATES, "extra_args": [{}] * 3}]
-    specs = [{"model": str(tmp / "llama"), "max_tokens": MAX_TOKENS, "batches": batches},
+    specs = [{"model": str(tmp / "llama"), "max_tokens": MAX_TOKENS, "batches": batches, "logprobs": True},
              {"model": str(tmp / "llama"), "max_tokens": MAX_TOKENS, "batches": batches[:1],
               "llm_kwargs": {"hf_overrides": {"fp_max_iter": 1}}},
              {"model": str(tmp / "mistral"), "max_tokens": MAX_TOKENS, "batches": batches[:1]},
@@ -65,23 +67,29 @@ def served(tmp_path_factory):
     return tmp, run_children(specs, tmp)
 
 
-def reference(model_class, path, prompts, config_changes=None, **call):
-    """transformers' greedy tokens per prompt (batch of one each), and whether every solve converged."""
+def reference(model_class, path, prompts, config_changes=None, logprobs=None, **call):
+    """transformers' greedy tokens per prompt (batch of one each), and whether every solve converged; ``logprobs``: a
+    list that receives each prompt's generated tokens' log-probabilities."""
     model = model_class.from_pretrained(path, dtype=torch.float32, **(config_changes or {})).eval()
     tokens, stats = [], []
     for ids in prompts:
         out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, fp_stats_log=stats,
-                             **call)
-        tokens.append(out[0, len(ids):].tolist())
+                             output_scores=True, return_dict_in_generate=True, **call)
+        new = out.sequences[0, len(ids):]
+        tokens.append(new.tolist())
+        if logprobs is not None:
+            logprobs.append([torch.log_softmax(s[0], -1)[t].item() for s, t in zip(out.scores, new)])
     return tokens, all(s.summary()["fpsa_cap_hit_rate"] == 0.0 for s in stats)
 
 
 def test_self_llama_matches_transformers_in_any_batch(served):
     tmp, runs = served
     for batch, prompts in zip(runs[0]["batches"], (PROMPTS, MATES)):
-        want, converged = reference(SelfLlamaForCausalLM, tmp / "llama", prompts)
+        logprobs = []
+        want, converged = reference(SelfLlamaForCausalLM, tmp / "llama", prompts, logprobs=logprobs)
         assert converged  # the setting where the exact tokens are promised
         assert batch["tokens"] == want
+        torch.testing.assert_close(torch.tensor(batch["logprobs"]), torch.tensor(logprobs), atol=1e-5, rtol=0)
 
 
 def test_one_iteration_is_the_base_model(served):
@@ -109,3 +117,15 @@ def test_tensor_parallel_is_refused():
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 .* Allowed values: 1\."):
         check_engine(SelfLlamaConfig(**SHAPE), 2)
     check_engine(SelfLlamaConfig(**SHAPE), 1)
+
+
+def test_engine_runs_eagerly_when_not_asked_to(tmp_path, monkeypatch):
+    """The solves' iteration counts depend on the data: the config hook turns CUDA graphs and compilation off."""
+    from vllm.config import CompilationMode
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    llama_export(tmp_path)
+    config = EngineArgs(model=str(tmp_path), trust_remote_code=True, skip_tokenizer_init=True, dtype="float32",
+                        max_model_len=256).create_engine_config()
+    assert config.model_config.enforce_eager and config.compilation_config.mode == CompilationMode.NONE
