@@ -12,7 +12,7 @@ from hf_fixedpoint.modeling import FAMILY_EXPORTS
 from tests.helpers import family_tester
 
 LM_FAMILIES = ("attractor_lm", "deq_lm", "ouro", "self_llama", "self_mistral")
-NATIVE = {"attractor_lm", "ouro"}  # served natively by the package's vLLM plugin
+NATIVE = {"attractor_lm", "ouro", "self_llama", "self_mistral"}  # served natively by the package's vLLM plugin
 
 
 def lm_class(family):

@@ -5,14 +5,16 @@ takes): ``vllm.general_plugins`` calls ``register`` in every vLLM process, and `
 ``knobs.OuroRequestKnobs``, which carries the per-request settings (``SamplingParams(extra_args=...)``) to the model.
 Nothing here is imported by ``import hf_fixedpoint``; this package imports vLLM.
 
-Served natively: Ouro (``OuroForCausalLM``: the package's exports and the released ``ByteDance/Ouro-*`` checkpoints)
-and Attractor LM (``AttractorForCausalLM``).
+Served natively: Ouro (``OuroForCausalLM``: the package's exports and the released ``ByteDance/Ouro-*`` checkpoints),
+Attractor LM (``AttractorForCausalLM``: the attractor solve per new token, its keys at the fixed point), SELF-LLaMA and
+SELF-Mistral (``self_fpsa``: the FPSA solve per new token against the cached, converged keys).
 The other causal-LM families are refused by their exports' own ``is_backend_compatible()`` (``fp_engines``), with the
 reason, instead of running wrongly on vLLM's generic Transformers backend.
 """
 
 OURO_ARCHITECTURE = "OuroForCausalLM"
 ATTRACTOR_ARCHITECTURE = "AttractorForCausalLM"
+SELF_ARCHITECTURES = ("SelfLlamaForCausalLM", "SelfMistralForCausalLM")
 
 
 def register() -> None:
@@ -25,6 +27,11 @@ def register() -> None:
     register_config_hook(OURO_ARCHITECTURE)
     ModelRegistry.register_model(ATTRACTOR_ARCHITECTURE, "hf_fixedpoint.vllm_plugin.attractor:AttractorForCausalLM")
     register_config_hook(ATTRACTOR_ARCHITECTURE, AttractorConfigHook)
+    from .self_fpsa_config import SelfFPSAConfigHook
+
+    for architecture in SELF_ARCHITECTURES:
+        ModelRegistry.register_model(architecture, "hf_fixedpoint.vllm_plugin.self_fpsa:SelfFPSAForCausalLM")
+        register_config_hook(architecture, SelfFPSAConfigHook)
 
 
-__all__ = ["ATTRACTOR_ARCHITECTURE", "OURO_ARCHITECTURE", "register"]
+__all__ = ["ATTRACTOR_ARCHITECTURE", "OURO_ARCHITECTURE", "SELF_ARCHITECTURES", "register"]

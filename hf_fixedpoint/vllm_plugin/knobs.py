@@ -16,7 +16,7 @@ import math
 
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-from .settings import check_request
+from .settings import check_request, check_stop_fraction
 
 # Loop count of the Ouro engine configured in this process (None: none), for validate_params.
 _SERVED = {"loops": None}
@@ -57,13 +57,7 @@ class AttractorConfigHook(ConfigHook):
 
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
-        config = vllm_config.model_config.hf_config
-        fraction = getattr(config, "fp_stop_fraction", 0.0)
-        if fraction:
-            raise ValueError(f"fp_stop_fraction={fraction!r} is not served by hf-fixedpoint's vLLM plugin: it stops "
-                             "the solve once that fraction of the batch's tokens is left, so a request's tokens would "
-                             "depend on the other requests of the batch. Allowed values: 0.0 (start vLLM with "
-                             "hf_overrides={'fp_stop_fraction': 0.0}).")
+        check_stop_fraction(vllm_config.model_config.hf_config)
 
 
 def register_config_hook(architecture: str, hook=OuroConfigHook) -> None:

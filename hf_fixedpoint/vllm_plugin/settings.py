@@ -1,5 +1,5 @@
-"""The per-request Ouro settings a vLLM request may carry in ``SamplingParams.extra_args``, and their check (no vLLM
-import: the checks are tested without it)."""
+"""The per-request Ouro settings a vLLM request may carry in ``SamplingParams.extra_args``, their check, and the
+engine-start checks the solving families share (no vLLM import: the checks are tested without it)."""
 
 KEYS = ("total_ut_steps", "exit_threshold")
 
@@ -25,4 +25,15 @@ def check_request(extra_args, loops) -> dict:
     return settings
 
 
-__all__ = ["KEYS", "check_request"]
+def check_stop_fraction(config) -> None:
+    """Refuse ``fp_stop_fraction`` other than 0: vLLM solves the tokens of every request in a batch together, and a
+    share of open entries counted over the batch would make a request's tokens depend on its batch-mates."""
+    fraction = getattr(config, "fp_stop_fraction", 0.0)
+    if fraction:
+        raise ValueError(f"fp_stop_fraction={fraction!r} is not served by hf-fixedpoint's vLLM plugin for "
+                         f"{type(config).__name__}: it stops the solve once that fraction of the batch's tokens is "
+                         "left, so a request's tokens would depend on the other requests of the batch. Allowed values: "
+                         "0.0 (start vLLM with hf_overrides={'fp_stop_fraction': 0.0}).")
+
+
+__all__ = ["KEYS", "check_request", "check_stop_fraction"]

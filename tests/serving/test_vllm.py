@@ -34,8 +34,6 @@ BAD = [({"total_ut_steps": 0}, "total_ut_steps"), ({"total_ut_steps": LOOPS + 1}
 # family -> (config class, causal-LM class, its own config keys, a phrase of its refusal); head dim 64 each
 REFUSED = {
     "deq_lm": ("DEQLMConfig", "DEQLMForCausalLM", {}, "keeps no KV cache"),
-    "self_llama": ("SelfLlamaConfig", "SelfLlamaForCausalLM", {"num_hidden_layers": 2}, "fixed point (FPSA)"),
-    "self_mistral": ("SelfMistralConfig", "SelfMistralForCausalLM", {"num_hidden_layers": 2}, "fixed point (FPSA)"),
 }
 SHAPE = {"vocab_size": 256, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2,
          "max_position_embeddings": 256}

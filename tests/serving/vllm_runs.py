@@ -2,7 +2,8 @@
 ``if __name__ == "__main__"``): ``python -m tests.serving.vllm_runs <spec.json> <report.json>``.
 
 The spec lists runs; each run starts one ``vllm.LLM`` (greedy, float32, eager) and records, per request batch, the
-generated tokens, or the error of the start or of a request.
+generated tokens (and their log-probabilities where the run sets ``"logprobs": true``), or the error of the start or of
+a request.
 """
 
 import gc
@@ -10,10 +11,11 @@ import json
 import sys
 
 
-def sampling(max_tokens, extra):
+def sampling(max_tokens, extra, logprobs=False):
     from vllm import SamplingParams
 
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, extra_args=extra or None)
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, extra_args=extra or None,
+                          logprobs=0 if logprobs else None)
 
 
 def run(spec) -> dict:
@@ -27,10 +29,13 @@ def run(spec) -> dict:
     report = {"batches": []}
     for batch in spec["batches"]:
         prompts = [{"prompt_token_ids": ids} for ids in batch["prompts"]]
-        params = [sampling(spec["max_tokens"], extra) for extra in batch["extra_args"]]
+        params = [sampling(spec["max_tokens"], extra, spec.get("logprobs")) for extra in batch["extra_args"]]
         try:
             outputs = llm.generate(prompts, params, use_tqdm=False)
             report["batches"].append({"tokens": [list(o.outputs[0].token_ids) for o in outputs]})
+            if spec.get("logprobs"):  # each generated token's log-probability
+                report["batches"][-1]["logprobs"] = [[step[t].logprob for step, t in zip(c.logprobs, c.token_ids)]
+                                                     for c in (o.outputs[0] for o in outputs)]
         except Exception as err:
             report["batches"].append({"error": f"{type(err).__name__}: {err}"})
     del llm  # shuts the engine down before the next run starts its own
