@@ -188,7 +188,11 @@ def test_vit_trains_resumes_and_exports(tmp_path, monkeypatch):
     # Pipeline-ready: the exported processor does to 8-bit images what the recipe's collate does to [0, 1] images,
     # and the classes are the digits.
     from PIL import Image
-    from transformers import AutoImageProcessor, pipeline
+    from transformers import pipeline
+    # Imported from its module, as pipeline() does: transformers 5.16.1 tags every class of image_processing_auto.py
+    # as needing torchvision (the file names TorchvisionBackend), so `from transformers import AutoImageProcessor`
+    # is a placeholder there without torchvision, while the class itself picks the PIL backend.
+    from transformers.models.auto.image_processing_auto import AutoImageProcessor
 
     pixels = np.random.default_rng(0).integers(0, 256, (3, 8, 8), dtype=np.uint8)
     images = [Image.fromarray(p, mode="L") for p in pixels]

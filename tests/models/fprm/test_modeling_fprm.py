@@ -241,11 +241,28 @@ class TestFPRMOfficial:
               "num_layers": 2, "num_puzzle_identifiers": 3, "conv": "2d", "grid_shape": [3, 3], "init_mode": "fixed",
               "forward_dtype": "float64", "bptt_window": 3, "fp_max_iter": 100, "fp_solver_kwargs": {"patience": 1}}
 
-    def build(self, **overrides):
+    def build(self, redraw=False, **overrides):
         torch.manual_seed(0)
         model = FPRMForPuzzles(FPRMConfig(**{**self.kwargs, **overrides})).double()
         with torch.no_grad():
             model.model.alpha_logits.add_(torch.randn_like(model.model.alpha_logits))  # per-channel alphas
+        return self.redrawn(model) if redraw else model
+
+    @staticmethod
+    def redrawn(model):
+        """``model`` with its weights redrawn from one seeded generator (LeCun-scaled normals clamped at 2 std,
+        ``y_init`` standard normal, per-channel alphas around their init): the same numbers on every torch and
+        transformers, which the model's own initialization is not (torch 2.11 draws ``trunc_normal_`` from uniforms
+        through the inverse CDF, 2.13 by rejection from normals), for a test whose halting step depends on them."""
+        # Seed 4: residuals 2.97, 2.30, 3.62, 3.61 after the first step and all below 1.9 after the second (tol 2.5:
+        # the batch waits one call); with tol 0.1 two puzzles stay above 0.9 until the cap.
+        g = torch.Generator().manual_seed(4)
+        with torch.no_grad():
+            for w in (p for p in model.parameters() if p.dim() >= 2 and p.any()):  # not the zero-initialized q_head
+                w.copy_(torch.randn(w.shape, generator=g, dtype=w.dtype).clamp(-2, 2) * w[0].numel() ** -0.5)
+            m = model.model
+            m.y_init.copy_(torch.randn(m.y_init.shape, generator=g, dtype=m.y_init.dtype))
+            m.alpha_logits.copy_(model._alpha_logits() + torch.randn(m.alpha_logits.shape, generator=g))
         return model
 
     def batch(self):
@@ -324,7 +341,7 @@ class TestFPRMOfficial:
     def test_evaluation_one_step_per_call_and_the_batch_halts_together_float64(self, tol):
         # In both cases some puzzles get below tol while the batch waits for every puzzle; with tol 2.5 all of them
         # get there before the cap of 12 calls, with tol 0.1 the cap halts the batch.
-        model = self.build(fp_eval_max_iter=12, fp_tol=tol).eval()
+        model = self.build(redraw=True, fp_eval_max_iter=12, fp_tol=tol).eval()
         batch = self.batch()
         m = model.model
         with torch.no_grad():
