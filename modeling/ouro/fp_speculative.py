@@ -98,23 +98,29 @@ class SpeculativeState:
         self.pad = generation_config._pad_token_tensor
         self.scores, self.last = [], None
 
-    def append(self, tokens, scores=None) -> None:
+    def padded(self, token):
+        """``token`` ``(B,)`` with finished rows' replaced by padding, as greedy search feeds them."""
+        return token if self.pad is None else torch.where(self.unfinished, token, self.pad.to(token.dtype))
+
+    def append(self, tokens, scores=None) -> int:
         """Append ``tokens`` ``(B, m)`` one column at a time, as greedy search does: padding for finished rows, the
-        stopping criteria after each; none after every row has finished."""
+        stopping criteria after each. Stops after a column in which a row finishes (greedy search would feed that
+        row padding from there on, the cache's next entries included). Returns the count of columns appended."""
+        appended = 0
         for i in range(tokens.shape[1]):
-            if not bool(self.unfinished.any()):
-                return
-            token = tokens[:, i]
-            if self.pad is not None:
-                token = torch.where(self.unfinished, token, self.pad.to(token.dtype))
-            self.ids = torch.cat([self.ids, token[:, None]], dim=-1)
+            self.last = self.padded(tokens[:, i])
+            self.ids = torch.cat([self.ids, self.last[:, None]], dim=-1)
             if scores is not None:
                 self.scores.append(scores[:, i])
-            self.unfinished &= ~self.stopping(self.ids, None)
+            appended += 1
+            before = self.unfinished
+            self.unfinished = before & ~self.stopping(self.ids, None)
+            if not torch.equal(before, self.unfinished):
+                break
         if self.mask is not None:
-            self.mask = F.pad(self.mask, (0, tokens.shape[1]), value=1)
-        self.pos = self.pos + tokens.shape[1]
-        self.last = tokens[:, -1]
+            self.mask = F.pad(self.mask, (0, appended), value=1)
+        self.pos = self.pos + appended
+        return appended
 
     def mask_with(self, new: int):
         """The 2-d mask with ``new`` more positions (None without padding)."""
@@ -200,7 +206,7 @@ class Speculation:
         for j in range(k):
             logits, extra = step(token, j)
             score = logits_processor(ids, logits.to(torch.float32))
-            token = self.choose(score)
+            token = state.padded(self.choose(score))  # finished rows go on with padding, as in greedy search
             tokens.append(token)
             scores.append(score)
             extras.append(extra)
@@ -249,8 +255,7 @@ class Speculation:
         target = self.verify(state, drafts, carry, logits_processor)
         active = state.unfinished.clone()
         kept, matched = self.accept(drafts, draft_scores, target, active)
-        rollback(self.cache, k + 1 - kept.shape[1])
-        state.append(kept, target[:, : kept.shape[1]])
+        rollback(self.cache, k + 1 - state.append(kept, target[:, : kept.shape[1]]))
         stats["draft_tokens"] += k * active.long()
         stats["accepted_draft_tokens"] += matched * active.long()
         stats["verify_rounds"] += 1
@@ -266,7 +271,8 @@ class ForwardSpeculation(Speculation):
     (for SELF: the keys of the verification's converged iterates), never the draft's. ``full_depth`` is the depth of
     that ``forward``, named by ``keywords[0]`` in errors."""
 
-    LOOP_KEYWORDS = ("attention_mask", "position_ids", "use_cache", "cache_position", "past_key_values", "cache")
+    LOOP_KEYWORDS = ("attention_mask", "position_ids", "use_cache", "cache_position", "past_key_values", "cache",
+                     "logits_to_keep")
 
     def __init__(self, model, generation_config, model_kwargs, draft_depth, full_depth: int, keywords):
         super().__init__(model, generation_config, model_kwargs)
