@@ -28,9 +28,9 @@ tokens per verification (the prompt's first token excluded). Targets (issue 36):
 suppressed) for each of ``SELF_PROMPTS``: plain cached greedy ``generate`` at the full depth, ``draft_depth=1`` (the
 draft is the base LLaMA's attention against the one cache) with ``--draft_tokens`` and transformers' default
 confidence threshold, and the base model alone (``fp_max_iter=1``) for reference. Timed as above (rotating order,
-fastest of ``--repeats``). The untrained retrofit's solves often stop at the cap unconverged; there a verification of
-several tokens at once and one-token-at-a-time decoding iterate differently, so the tokens are compared with the
-baseline's and the agreeing prefix reported instead of required.
+fastest of the checking pass and ``--repeats`` more). The untrained retrofit's solves often stop at the cap
+unconverged; there a verification of several tokens at once and one-token-at-a-time decoding iterate differently,
+so the tokens are compared with the baseline's and the agreeing prefix reported instead of required.
 """
 
 import argparse
@@ -126,6 +126,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--self_llama", action="store_true", help="SELF-LLaMA on SmolLM2-135M instead of Ouro")
     parser.add_argument("--self_new_tokens", type=int, default=32)
+    parser.add_argument("--self_prompts", type=int, default=len(SELF_PROMPTS), help="the first N of SELF_PROMPTS")
     args = parser.parse_args(argv)
     if args.self_llama:
         return main_self_llama(args)
@@ -177,17 +178,19 @@ def main_self_llama(args):
              ("base (fp_max_iter=1)", {"fp_max_iter": 1})]
     kw = {"max_new_tokens": new, "min_new_tokens": new, "do_sample": False}
     print(f"SELF-LLaMA self-speculative decoding: SmolLM2-135M-Instruct, fp_max_iter={model.config.fp_max_iter}, "
-          f"fp_tol={model.config.fp_tol}, {model.config.fp_solver}; batch 1, {new} new tokens, {len(SELF_PROMPTS)} "
+          f"fp_tol={model.config.fp_tol}, {model.config.fp_solver}; batch 1, {new} new tokens, {args.self_prompts} "
           f"prompts; os.getloadavg() = {os.getloadavg()[0]:.2f}")
-    prompts = [tokenizer(p, return_tensors="pt").input_ids for p in SELF_PROMPTS]
+    prompts = [tokenizer(p, return_tensors="pt").input_ids for p in SELF_PROMPTS[: args.self_prompts]]
     best = {name: [float("inf")] * len(prompts) for name, _ in cases}
     same = {name: 0 for name, _ in cases}
     drafted = accepted = 0
     with torch.no_grad():
         for j, x in enumerate(prompts):
             reference = None
-            for name, extra in cases:
+            for name, extra in cases:  # this pass checks the tokens and is timed too
+                start = time.perf_counter()
                 out = model.generate(x, return_dict_in_generate=True, **kw, **extra)
+                best[name][j] = time.perf_counter() - start
                 tokens = out.sequences[0, x.shape[1]:]
                 reference = tokens if reference is None else reference
                 same[name] += int((tokens == reference).long().cumprod(0).sum())  # the agreeing prefix
