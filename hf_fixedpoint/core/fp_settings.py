@@ -161,6 +161,14 @@ def call_knobs(config, kwargs: dict, where: str, fp_overrides: dict = None, fp_m
     return overrides
 
 
+def call_max_iter(config, call_kwargs: dict, where: str) -> int:
+    """The iteration cap of an eval-mode forward called with ``call_kwargs`` (its ``fp_*`` keywords and
+    ``fp_overrides``, as ``generate`` passes them to every step; other keys are ignored), else of the config."""
+    knobs = {k: v for k, v in call_kwargs.items() if k in FP_DEFAULTS}
+    overrides = call_knobs(config, knobs, where, call_kwargs.get("fp_overrides"))
+    return _run_options(fp_settings(config, overrides), training=False).max_iter
+
+
 def reject_unknown_knobs(kwargs: dict, allowed, where: str) -> None:
     """A ``fp*`` keyword a forward does not know (a typo such as ``fp_max_iters``) is an error, not silently passed
     on to the attention functions."""
@@ -195,6 +203,7 @@ __all__ = [
     "FP_DEFAULTS",
     "FixedPointConfigMixin",
     "call_knobs",
+    "call_max_iter",
     "check_fp_settings",
     "fixed_point_kwargs",
     "fp_settings",

@@ -32,8 +32,8 @@ def check_stop_fraction(config) -> None:
     if fraction:
         raise ValueError(f"fp_stop_fraction={fraction!r} is not served by hf-fixedpoint's vLLM plugin for "
                          f"{type(config).__name__}: it stops the solve once that fraction of the batch's tokens is "
-                         "left, so a request's tokens would depend on the other requests of the batch. Allowed values: "
-                         "0.0 (start vLLM with hf_overrides={'fp_stop_fraction': 0.0}).")
+                         "left, so a request's tokens would depend on the other requests of the batch. Allowed "
+                         "values: 0.0 (start vLLM with hf_overrides={'fp_stop_fraction': 0.0}).")
 
 
 __all__ = ["KEYS", "check_request", "check_stop_fraction"]

@@ -41,8 +41,9 @@ from .fp_compat import (
 )
 from .fp_engines import EngineGuardMixin
 from .fp_registry import check_number
-from .fp_settings import call_knobs, fixed_point_kwargs
+from .fp_settings import call_knobs, call_max_iter, fixed_point_kwargs
 from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
+from .fp_speculative import SpeculativeGenerationMixin
 from .fp_stats import FixedPointStats
 
 
@@ -387,14 +388,30 @@ class AttractorModel(AttractorPreTrainedModel):
         return out
 
 
-class AttractorForCausalLM(AttractorPreTrainedModel, GenerationMixin):
+class AttractorForCausalLM(SpeculativeGenerationMixin, AttractorPreTrainedModel, GenerationMixin):
+    """The Attractor LM with its tied head. ``generate(..., draft_depth=d)`` decodes self-speculatively
+    (``fp_speculative``): drafts from a solve capped at ``d`` iterations (``readout_iters=d``), verified at the call's
+    depth (its ``readout_iters``, else its solver cap)."""
+
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _draft_keywords = ("readout_iters",)
 
     def __init__(self, config: AttractorConfig):
         super().__init__(config)
         self.model = AttractorModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    def _full_depth(self, model_kwargs) -> int:
+        """The iterations of the call's solve, resolved as ``forward`` does: its ``readout_iters``, else its
+        ``fp_max_iter`` (keyword or ``fp_overrides``), else ``config.readout_iters``, else the config's cap."""
+        if model_kwargs.get("unrolled_iters") is not None:
+            raise ValueError("draft_depth cannot be combined with unrolled_iters (a fixed count of plain steps that "
+                             "replaces the capped solve the draft is); use readout_iters for the full depth.")
+        readout = model_kwargs.get("readout_iters")
+        if readout is None and "fp_max_iter" not in {**(model_kwargs.get("fp_overrides") or {}), **model_kwargs}:
+            readout = self.config.readout_iters
+        return call_max_iter(self.config, model_kwargs, "generate") if readout is None else readout
 
     @can_return_tuple
     def forward(

@@ -19,6 +19,9 @@ that imports transformers; the others import only torch and the standard library
   earlier names.
 * ``attention_function``: ``ALL_ATTENTION_FUNCTIONS.get_interface``, which 5.0 and older lack.
 * ``require_transformers``: refuse, with the release needed, where a family uses an API an old release lacks.
+* ``generate_with``, ``speculative_sampling``, ``decoder_only_output``: ``generate`` with a ``custom_generate``
+  decoding callable (4.57 and later), transformers' speculative acceptance rule (whose trailing arguments changed in
+  5.0) and its decoder-only output class, for ``fp_speculative``.
 """
 
 import dataclasses
@@ -28,6 +31,7 @@ from types import SimpleNamespace
 import torch
 import transformers
 from transformers import cache_utils, masking_utils
+from transformers.generation import utils as generation_utils
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -108,6 +112,11 @@ def is_static_layer(layer) -> bool:
             and torch.is_tensor(getattr(layer, "cumulative_length", None)))
 
 
+def is_dynamic_layer(layer) -> bool:
+    """A ``DynamicLayer`` (sliding-window ones included): its keys grow by concatenation and crop from the end."""
+    return isinstance(layer, cache_utils.DynamicLayer)
+
+
 def require_dynamic_cache(cache, family: str, reason: str, static: bool = False) -> None:
     """Refuse a cache other than a ``DynamicCache`` of ``DynamicLayer`` s (``StaticCache``, ``generate(...,
     cache_implementation="static")``, an offloaded or quantized cache): a ``ValueError`` naming ``family``, the cache
@@ -134,15 +143,44 @@ def require_transformers(minimum: str, family: str, reason: str) -> None:
                       f"{transformers.__version__}, {reason}. Upgrade with: pip install -U 'transformers>={minimum}'")
 
 
+def generate_with(model, decoding, *args, **kwargs):
+    """``GenerationMixin.generate`` (not a model's override of it) running ``decoding`` as its decoding method (a
+    ``custom_generate`` callable, which ``generate`` takes from 4.57)."""
+    mixin = generation_utils.GenerationMixin
+    if not hasattr(mixin, "_extract_generation_mode_kwargs"):  # the custom_generate callable's keyword extraction
+        require_transformers("4.57", "draft_depth (self-speculative decoding)",
+                             "generate takes no custom_generate callable")
+    return mixin.generate(model, *args, custom_generate=decoding, **kwargs)
+
+
+def speculative_sampling(drafts, draft_scores, target_scores):
+    """transformers' speculative acceptance rule (``_speculative_sampling``, Leviathan et al. 2023, algorithm 1) for
+    one row: ``drafts`` ``(1, k)``, their processed scores ``(1, k, V)`` and the full model's ``(1, k + 1, V)``.
+    Returns the kept tokens ``(1, m)`` and the accepted drafts' count."""
+    rule = generation_utils._speculative_sampling
+    # releases before 5.0 take is_done_candidate (a draft that hit the end token: no bonus token; not used here)
+    extra = (False,) if "is_done_candidate" in inspect.signature(rule).parameters else ()
+    return rule(drafts, draft_scores, drafts.shape[1], target_scores, *extra)
+
+
+def decoder_only_output(**fields):
+    """transformers' ``GenerateDecoderOnlyOutput`` (``past_key_values=`` is renamed where the release does)."""
+    return generation_utils.GenerateDecoderOnlyOutput(**fields)
+
+
 __all__ = [
     "CACHE_NAME",
     "attention_function",
     "cache_field",
     "capture_outputs",
     "create_causal_mask",
+    "decoder_only_output",
+    "generate_with",
     "init",
+    "is_dynamic_layer",
     "is_static_layer",
     "pop_cache",
     "require_dynamic_cache",
     "require_transformers",
+    "speculative_sampling",
 ]

@@ -58,6 +58,7 @@ from .fp_compat import (
 )
 from .fp_engines import EngineGuardMixin
 from .fp_registry import check_choice, check_number, reject_prefixed_keywords
+from .fp_speculative import Speculation, generate_speculative
 
 
 @dataclass
@@ -823,8 +824,8 @@ class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
         produced it (the prompt's other positions are not included), and ``exit_loop``: the loop it was decoded
         from (absent with ``use_weighted_exit``). For greedy search and sampling (beam search reorders rows).
 
-        ``draft_depth=d`` decodes self-speculatively (``speculative_decoding``): drafts of ``d`` loops, verified by
-        the remaining loops, the same tokens as full-depth greedy search."""
+        ``draft_depth=d`` decodes self-speculatively (``fp_speculative.speculative_decoding``): drafts of ``d`` loops,
+        verified by the remaining loops, the same tokens as full-depth greedy search."""
         if kwargs.get("draft_depth") is not None:
             return generate_speculative(self, *args, **kwargs)
         kwargs.pop("draft_depth", None)
@@ -838,6 +839,10 @@ class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
             if all(e is not None for e, _ in trace):
                 result["exit_loop"] = torch.cat([e for e, _ in trace], dim=1)
         return result
+
+    def _speculation(self, generation_config, draft_depth, model_kwargs):
+        """The draft / verify steps of ``generate(..., draft_depth=d)`` (``fp_speculative.speculative_decoding``)."""
+        return _OuroSpeculation(self, generation_config, draft_depth, model_kwargs)
 
     def _expected_loss(self, loop_logits, pdf, labels):
         """Paper stage I: mean over target tokens of ``sum_t p_t * CE_t - entropy_weight * H(p)``."""
@@ -854,40 +859,8 @@ class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
 #
 # Every (loop, layer) has its own cache slots, so a draft of ``d`` loops computes exactly loops 1..d of the full model
 # for the drafted tokens: verification runs loops d+1..K on their loop-d states, all drafted tokens in one pass, and
-# keeps the draft's cache entries. transformers' assisted decoding (``assistant_early_exit``, LayerSkip) is not used
-# as such: it serves batch 1 only, refuses static caches, keeps a second cache for the draft and verifies with a full
-# forward. The loop below plugs into ``generate`` as a ``custom_generate`` callable instead (transformers prepares
-# the inputs, cache, logits processors and stopping criteria) and uses transformers' acceptance rule for sampling
-# (``_speculative_sampling``, one row at a time) and its draft-length settings (``num_assistant_tokens``,
-# ``num_assistant_tokens_schedule``, ``assistant_confidence_threshold``).
-
-
-def generate_speculative(model, *args, **kwargs):
-    """``generate(..., draft_depth=d)``: transformers' ``generate`` with ``speculative_decoding`` as its decoding
-    method."""
-    from transformers.generation.utils import GenerationMixin as _Mixin
-
-    if not hasattr(_Mixin, "_extract_generation_mode_kwargs"):  # custom_generate callables (4.57 has them)
-        from .fp_compat import require_transformers
-
-        require_transformers("4.57", "Ouro's draft_depth", "generate takes no custom_generate callable")
-    for name in ("assistant_model", "custom_generate", "prompt_lookup_num_tokens", "assistant_early_exit"):
-        if kwargs.get(name) is not None:
-            raise ValueError(f"draft_depth (self-speculative decoding: the model drafts at fewer loops) cannot be "
-                             f"combined with {name}; pass one of them.")
-    return _Mixin.generate(model, *args, custom_generate=speculative_decoding, **kwargs)
-
-
-def _rollback(cache: Cache, tokens: int) -> None:
-    """Drop the last ``tokens`` positions from every (loop, layer) slot: dynamic layers are cropped; a static layer's
-    length goes back (its stale entries lie past every later query's position, masked, then overwritten)."""
-    if tokens <= 0:
-        return
-    for layer in cache.layers:
-        if isinstance(layer, StaticLayer):
-            layer.cumulative_length.sub_(tokens)
-        else:
-            layer.crop(-tokens)
+# keeps the draft's cache entries. The loop itself (``generate`` plumbing, acceptance, roll-back, draft length) is
+# ``fp_speculative``'s, shared with the fixed-point families.
 
 
 def _run_loops(model, hidden, position_ids, attention_mask, cache, start: int, stop: int):
@@ -911,54 +884,15 @@ def _run_loops(model, hidden, position_ids, attention_mask, cache, start: int, s
     return states, gates
 
 
-class _SpeculativeState:
-    """The running sequences of ``speculative_decoding``: ``ids`` ``(B, n)``, the 2-d ``mask`` (None: no padding),
-    the next position ``pos`` ``(B,)`` and token ``last`` ``(B,)`` (not yet in the cache), ``unfinished`` ``(B,)``."""
+class _OuroSpeculation(Speculation):
+    """Ouro's draft (loops 1..d, one position at a time) and verification (loops d+1..K on the drafted positions'
+    loop-d states, in one pass, decoded by the call's exit rule); the call's loop and exit settings, validated."""
 
-    def __init__(self, ids, mask, position_ids, generation_config, stopping_criteria):
-        self.ids, self.mask, self.stopping = ids, mask, stopping_criteria
-        self.pos = (position_ids[:, -1] if position_ids is not None  # the position of `last` once appended
-                    else torch.full((ids.shape[0],), ids.shape[1] - 1, dtype=torch.long, device=ids.device))
-        self.unfinished = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
-        self.pad = generation_config._pad_token_tensor
-        self.scores, self.last = [], None
-
-    def append(self, tokens, scores=None) -> None:
-        """Append ``tokens`` ``(B, m)`` one column at a time, as greedy search does: padding for finished rows, the
-        stopping criteria after each; none after every row has finished."""
-        for i in range(tokens.shape[1]):
-            if not bool(self.unfinished.any()):
-                return
-            token = tokens[:, i]
-            if self.pad is not None:
-                token = torch.where(self.unfinished, token, self.pad.to(token.dtype))
-            self.ids = torch.cat([self.ids, token[:, None]], dim=-1)
-            if scores is not None:
-                self.scores.append(scores[:, i])
-            self.unfinished &= ~self.stopping(self.ids, None)
-        if self.mask is not None:
-            self.mask = F.pad(self.mask, (0, tokens.shape[1]), value=1)
-        self.pos = self.pos + tokens.shape[1]
-        self.last = tokens[:, -1]
-
-    def mask_with(self, new: int):
-        """The 2-d mask with ``new`` more positions (None without padding)."""
-        return None if self.mask is None else F.pad(self.mask, (0, new), value=1)
-
-
-class _Speculation:
-    """One ``speculative_decoding`` call: its settings, validated, and the draft / verify / accept steps."""
-
-    SCHEDULES = ("constant", "heuristic", "heuristic_transient")
+    UNSUPPORTED_FLAGS = Speculation.UNSUPPORTED_FLAGS + ("output_loop_logits",)
 
     def __init__(self, model, generation_config, draft_depth, model_kwargs):
-        self.model, self.config = model, generation_config
         self.loops = _resolve_loops(model_kwargs.pop("total_ut_steps", None), model.config)
-        if self.loops < 2:
-            raise ValueError(f"draft_depth needs a full depth of at least 2 loops to draft below; total_ut_steps="
-                             f"{self.loops}.")
-        check_number(draft_depth, "draft_depth", low=1, high=self.loops - 1, integer=True)
-        self.depth = draft_depth
+        self.depth = self.check_depth(draft_depth, self.loops, "total_ut_steps", "loops")
         mode, self.threshold, self.tol = _resolve_exit(model_kwargs.pop("exit_mode", None),
                                                        model_kwargs.pop("exit_threshold", None),
                                                        model_kwargs.pop("exit_tol", None), model.config)
@@ -973,42 +907,7 @@ class _Speculation:
         self.weighted = bool(model_kwargs.pop("use_weighted_exit", False))
         self.exit_kwargs = {"exit_threshold": self.threshold, "exit_tol": self.tol, "exit_at_step": self.step,
                             "use_weighted_exit": self.weighted, "exit_mode": "select"}
-        self._check_generation(generation_config, model_kwargs)
-        self.cache = pop_cache(model_kwargs.pop("past_key_values", None), model_kwargs)
-        if not isinstance(self.cache, Cache) or not all(isinstance(layer, (DynamicLayer, StaticLayer))
-                                                        for layer in self.cache.layers):
-            raise ValueError(f"draft_depth needs a DynamicCache or StaticCache; got {type(self.cache).__name__}.")
-        if any(isinstance(layer, StaticLayer) and not torch.is_tensor(getattr(layer, "cumulative_length", None))
-               for layer in self.cache.layers):
-            raise ValueError("draft_depth with a static cache needs a StaticLayer that counts its length "
-                             "(transformers 5); this release's has none to roll rejected drafts back. Use the dynamic "
-                             "cache.")
-        self.num_tokens = generation_config.num_assistant_tokens
-        self.num_tokens = 20 if self.num_tokens is None else self.num_tokens  # transformers' default
-        check_number(self.num_tokens, "num_assistant_tokens", low=1, integer=True)
-        self.schedule = generation_config.num_assistant_tokens_schedule or "constant"
-        check_choice(self.schedule, "num_assistant_tokens_schedule", self.SCHEDULES)
-        self.confidence = generation_config.assistant_confidence_threshold
-        self.sample = bool(generation_config.do_sample)
-
-    def _check_generation(self, generation_config, model_kwargs) -> None:
-        """Refuse what the speculative loop does not serve."""
-        if generation_config.num_beams > 1:
-            raise ValueError("draft_depth decodes by greedy search or sampling; num_beams="
-                             f"{generation_config.num_beams} is not supported.")
-        if not model_kwargs.get("use_cache", True):
-            raise ValueError("draft_depth needs the cache (use_cache=True): verification reuses the draft's entries.")
-        for name in ("output_hidden_states", "output_attentions", "output_loop_logits"):
-            if getattr(generation_config, name, False) or model_kwargs.get(name):
-                raise ValueError(f"{name}=True is not supported with draft_depth.")
-        if self.model.training:
-            raise ValueError("draft_depth decodes at inference: call model.eval() first.")
-
-    def choose(self, scores):
-        """The next token ``(B,)`` from processed scores ``(B, V)``: argmax, or a sample."""
-        if self.sample:
-            return torch.multinomial(scores.softmax(-1), num_samples=1)[:, 0]
-        return scores.argmax(-1)
+        super().__init__(model, generation_config, model_kwargs)
 
     def prefill(self, state, input_ids, model_kwargs, logits_processor) -> None:
         """The prompt at full depth (every slot filled) and its first token."""
@@ -1019,137 +918,38 @@ class _Speculation:
         state.append(self.choose(scores)[:, None], scores[:, None])
 
     def draft(self, state, k: int, logits_processor):
-        """Up to ``k`` tokens at ``draft_depth`` loops, one position at a time (fewer when a row's draft probability
-        falls below ``assistant_confidence_threshold``). Returns the tokens ``(B, j)``, their processed scores
-        ``(B, j, V)`` (None for ``j = 0``), and per loop 1..d the lists of states and gate logits of the ``j``
-        positions they were drafted from."""
-        core, ids, token = self.model.model, state.ids, state.last
-        tokens, scores, states, gates = [], [], [[] for _ in range(self.depth)], [[] for _ in range(self.depth)]
-        for j in range(k):
-            s, g = _run_loops(core, core.embed_tokens(token[:, None]), (state.pos + j)[:, None], state.mask_with(j),
-                              self.cache, 0, self.depth)
-            for t in range(self.depth):
-                states[t].append(s[t])
-                gates[t].append(g[t])
-            score = logits_processor(ids, self.model.lm_head(s[-1])[:, -1].to(torch.float32))
-            token = self.choose(score)
-            tokens.append(token)
-            scores.append(score)
-            ids = torch.cat([ids, token[:, None]], dim=-1)
-            if j + 1 < k and self.confidence:
-                prob = score.softmax(-1).gather(-1, token[:, None])[:, 0]
-                if bool((prob < self.confidence)[state.unfinished].any()):
-                    break
-        if not tokens:
-            return state.ids[:, :0], None, states, gates
-        return torch.stack(tokens, 1), torch.stack(scores, 1), states, gates
+        """Up to ``k`` tokens at ``draft_depth`` loops; what ``verify`` needs of them: per loop 1..d the states and
+        gate logits of the positions they were drafted from."""
+        core = self.model.model
 
-    def verify(self, state, drafts, states, gates, logits_processor):
+        def step(token, j):
+            s, g = _run_loops(core, core.embed_tokens(token[:, None]), state.positions(j + 1)[:, j:],
+                              state.mask_with(j), self.cache, 0, self.depth)
+            return self.model.lm_head(s[-1])[:, -1], (s, g)
+
+        drafts, scores, loops = self.draft_tokens(state, k, logits_processor, step)
+        states = [[s[t] for s, _ in loops] for t in range(self.depth)]
+        gates = [[g[t] for _, g in loops] for t in range(self.depth)]
+        return drafts, scores, (states, gates)
+
+    def verify(self, state, drafts, carry, logits_processor):
         """The full model at the ``k + 1`` positions from the last kept token to the last draft: loops 1..d for the
         last draft (not drafted from yet), then loops d+1..K on all the positions' loop-d states in one pass. Returns
         the processed scores ``(B, k + 1, V)``, decoded by the same exit rule as ``forward``."""
-        core, k = self.model.model, drafts.shape[1]
+        (states, gates), core, k = carry, self.model.model, drafts.shape[1]
         token = drafts[:, -1] if k else state.last
-        s, g = _run_loops(core, core.embed_tokens(token[:, None]), (state.pos + k)[:, None], state.mask_with(k),
+        s, g = _run_loops(core, core.embed_tokens(token[:, None]), state.positions(k + 1)[:, k:], state.mask_with(k),
                           self.cache, 0, self.depth)
         states = [torch.cat(x + [y], dim=1) for x, y in zip(states, s)]
         gates = [torch.cat(x + [y], dim=1) for x, y in zip(gates, g)]
-        positions = state.pos[:, None] + torch.arange(k + 1, device=drafts.device)
-        rest, rest_gates = _run_loops(core, states[-1], positions, state.mask_with(k), self.cache, self.depth,
-                                      self.loops)
+        rest, rest_gates = _run_loops(core, states[-1], state.positions(k + 1), state.mask_with(k), self.cache,
+                                      self.depth, self.loops)
         states, gate_logits = states + rest, torch.cat(gates + rest_gates, dim=-1)
         loop_logits = [self.model.lm_head(h) for h in states] if self.weighted else None
         logits, _ = self.model._select_logits(states, loop_logits, exit_distribution(gate_logits), gate_logits,
                                               self.step, self.weighted, self.threshold, self.tol)
-        logits = logits.to(torch.float32)
-        ids, n = torch.cat([state.ids, drafts], dim=-1), state.ids.shape[1]
-        return torch.stack([logits_processor(ids[:, :n + j], logits[:, j]) for j in range(k + 1)], dim=1)
-
-    def accept(self, drafts, draft_scores, target, unfinished):
-        """The tokens every row keeps ``(B, m)`` and each row's count of accepted drafts ``(B,)``. Greedy: the full
-        model's tokens up to and including its first disagreement with the draft (all ``k + 1`` when there is none);
-        sampling: transformers' ``_speculative_sampling`` row by row. The batch keeps the fewest tokens any
-        unfinished row keeps (each row's kept tokens are a prefix of what it would keep alone, hence full-depth
-        tokens, or full-depth samples)."""
-        k = drafts.shape[1]
-        if not self.sample:
-            chosen = target.argmax(-1)
-            matched = (drafts == chosen[:, :k]).long().cumprod(-1).sum(-1)
-            return chosen[:, : int((matched + 1)[unfinished].min())], matched
-        if k == 0:
-            return self.choose(target[:, 0])[:, None], torch.zeros_like(drafts[:, 0:1].sum(-1))
-        import inspect
-
-        from transformers.generation.utils import _speculative_sampling
-
-        # releases before 5.0 take is_done_candidate (a draft that hit the end token: no bonus token; not used here)
-        extra = (False,) if "is_done_candidate" in inspect.signature(_speculative_sampling).parameters else ()
-        rows, matched = [], []
-        for b in range(drafts.shape[0]):
-            valid, n = _speculative_sampling(drafts[b : b + 1], draft_scores[b : b + 1], k, target[b : b + 1], *extra)
-            rows.append(valid[0])
-            matched.append(int(n))
-        keep = min(len(r) for r, u in zip(rows, unfinished.tolist()) if u)
-        return torch.stack([r[:keep] for r in rows]), torch.tensor(matched, device=drafts.device)
-
-    def step_round(self, state, logits_processor, stats) -> None:
-        """Draft, verify, accept, roll the cache back; adapt the draft length."""
-        k = min(self.num_tokens, self.config.max_length - state.ids.shape[1] - 1)
-        drafts, draft_scores, states, gates = self.draft(state, max(k, 0), logits_processor)
-        k = drafts.shape[1]
-        target = self.verify(state, drafts, states, gates, logits_processor)
-        active = state.unfinished.clone()
-        kept, matched = self.accept(drafts, draft_scores, target, active)
-        _rollback(self.cache, k + 1 - kept.shape[1])
-        state.append(kept, target[:, : kept.shape[1]])
-        stats["draft_tokens"] += k * active.long()
-        stats["accepted_draft_tokens"] += matched * active.long()
-        stats["verify_rounds"] += 1
-        if self.schedule != "constant" and k:  # transformers' heuristic: +2 after a fully accepted draft, else -1
-            full = bool((matched[active] == k).all())
-            self.num_tokens = self.num_tokens + 2 if full else max(1, self.num_tokens - 1)
-
-
-def speculative_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config, draft_depth=None,
-                         **model_kwargs):
-    """Self-speculative decoding for Ouro, a ``custom_generate`` callable: ``generate(..., draft_depth=d)``.
-
-    Each round drafts up to ``num_assistant_tokens`` tokens with the first ``d`` loops (one position at a time,
-    writing the cache slots of loops 1..d), then verifies: loops 1..d for the last draft, and loops ``d + 1..K`` on
-    the loop-``d`` states of the ``k + 1`` positions from the last kept token to the last draft, in one pass (``K``:
-    ``total_ut_steps`` of the call or config), decoded as ``forward`` decodes (the same exit rule). Greedy search keeps
-    the drafts up to the first one the full model disagrees with, plus the full model's token there (or after the
-    last draft): the tokens of full-depth greedy search. Sampling uses the speculative acceptance rule (the same
-    output distribution). The rejected positions are dropped from every cache slot (dynamic or static cache). A
-    batch advances by the fewest tokens any of its unfinished rows keeps.
-
-    Draft length: ``num_assistant_tokens`` (default 20); ``num_assistant_tokens_schedule="heuristic"`` (or
-    ``"heuristic_transient"``) adapts it within the call (+2 after a fully accepted draft, -1 otherwise); a draft
-    also stops early when an unfinished row's draft token has a probability below ``assistant_confidence_threshold``
-    (transformers' default 0.4; 0 or None turns it off).
-
-    With ``return_dict_in_generate=True`` the output also holds ``draft_tokens`` and ``accepted_draft_tokens``
-    ``(B,)`` (drafted tokens and those the full model agreed with, per row) and ``verify_rounds``.
-    """
-    from transformers.generation.utils import GenerateDecoderOnlyOutput
-
-    spec = _Speculation(model, generation_config, draft_depth, model_kwargs)
-    state = _SpeculativeState(input_ids, model_kwargs.get("attention_mask"), model_kwargs.get("position_ids"),
-                              generation_config, stopping_criteria)
-    zeros = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
-    stats = {"draft_tokens": zeros, "accepted_draft_tokens": zeros.clone(), "verify_rounds": 0}
-    spec.prefill(state, input_ids, model_kwargs, logits_processor)
-    while bool(state.unfinished.any()):
-        spec.step_round(state, logits_processor, stats)
-    if not generation_config.return_dict_in_generate:
-        return state.ids
-    scores = tuple(state.scores) if generation_config.output_scores else None
-    result = GenerateDecoderOnlyOutput(sequences=state.ids, scores=scores, past_key_values=spec.cache)
-    for name, value in stats.items():
-        result[name] = value
-    return result
+        return self.process(state, drafts, logits, logits_processor)
 
 
 __all__ = ["ExitRule", "LoopDepthWarning", "OuroCausalLMOutput", "OuroForCausalLM", "OuroModel", "OuroModelOutput",
-           "OuroPreTrainedModel", "adaptive_gate_loss", "exit_distribution", "exit_loops", "generate_speculative",
-           "loop_change", "speculative_decoding"]
+           "OuroPreTrainedModel", "adaptive_gate_loss", "exit_distribution", "exit_loops", "loop_change"]

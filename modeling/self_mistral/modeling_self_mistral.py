@@ -47,8 +47,9 @@ from .fp_fpsa_stats import FPSAStats, FPSAStatsSink, with_jac_penalty
 from .fp_halting import ACTAccumulator  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_jacobian import jacobian_frobenius  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_registry import check_number  # noqa: F401  (see vendor.direct_import_problems)
-from .fp_settings import call_knobs, fixed_point_kwargs
+from .fp_settings import call_knobs, call_max_iter, fixed_point_kwargs
 from .fp_solvers import defer_finite_checks
+from .fp_speculative import SpeculativeGenerationMixin
 from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_problems)
 
 
@@ -204,9 +205,14 @@ class SelfMistralModel(SelfMistralPreTrainedModel, MistralModel):
         return SelfMistralModelOutputWithPast(**out, fp_stats=stats)
 
 
-class SelfMistralForCausalLM(SelfMistralPreTrainedModel, MistralForCausalLM):
+class SelfMistralForCausalLM(SpeculativeGenerationMixin, SelfMistralPreTrainedModel, MistralForCausalLM):
     """``MistralForCausalLM`` on ``SelfMistralModel``. Per-call knobs: ``fp_max_iter``, ``fp_tol``, ``fp_overrides``;
-    ``fp_stats_log`` (a list) receives the ``FPSAStats`` of each call, e.g. of every ``generate`` step."""
+    ``fp_stats_log`` (a list) receives the ``FPSAStats`` of each call, e.g. of every ``generate`` step.
+    ``generate(..., draft_depth=d)`` decodes self-speculatively (``fp_speculative``)."""
+
+    # generate(..., draft_depth=d) (fp_speculative): drafts at fp_max_iter=d (d=1: the base model), verified at the
+    # call's cap; fp_eval_max_iter too, so that a call's fp_overrides cannot raise the draft's cap.
+    _draft_keywords = ("fp_max_iter", "fp_eval_max_iter")
 
     # Copied from transformers.models.mistral.modeling_mistral.MistralForCausalLM.__init__ with
     #     super().__init__(config) -> MistralPreTrainedModel.__init__(self, config)
@@ -217,6 +223,9 @@ class SelfMistralForCausalLM(SelfMistralPreTrainedModel, MistralForCausalLM):
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    def _full_depth(self, model_kwargs) -> int:
+        return call_max_iter(self.config, model_kwargs, "generate")
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,

@@ -189,6 +189,7 @@ def test_vit_trains_resumes_and_exports(tmp_path, monkeypatch):
     # and the classes are the digits.
     from PIL import Image
     from transformers import pipeline
+
     # Imported from its module, as pipeline() does: transformers 5.16.1 tags every class of image_processing_auto.py
     # as needing torchvision (the file names TorchvisionBackend), so `from transformers import AutoImageProcessor`
     # is a placeholder there without torchvision, while the class itself picks the PIL backend.

@@ -16,6 +16,7 @@ from transformers import DynamicCache, StaticCache
 
 from hf_fixedpoint.modeling import OuroConfig, OuroForCausalLM
 from tests.models.fixed_point_tester import _CHILD as _REMOTE_CHILD
+from tests.models.speculative_checks import REFUSALS
 
 TINY = {"vocab_size": 99, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "max_position_embeddings": 64, "total_ut_steps": 4, "pad_token_id": 0,
@@ -175,13 +176,8 @@ def test_draft_depth_is_validated(depth):
 @pytest.mark.parametrize("kw,match", [
     ({"total_ut_steps": 1}, "at least 2 loops"),
     ({"exit_mode": "skip"}, "exit_mode='skip'"),
-    ({"num_beams": 2}, "num_beams=2"),
-    ({"use_cache": False}, "use_cache=True"),
-    ({"num_assistant_tokens": 0}, "num_assistant_tokens=0"),
-    ({"num_assistant_tokens_schedule": "fast"}, "num_assistant_tokens_schedule"),
-    ({"output_hidden_states": True}, "output_hidden_states"),
-    ({"prompt_lookup_num_tokens": 3}, "prompt_lookup_num_tokens"),
-])
+    ({"output_loop_logits": True}, "output_loop_logits"),
+] + REFUSALS)
 def test_what_the_draft_cannot_serve_is_refused(kw, match):
     model = _model()
     ids, mask = _batch()
