@@ -53,6 +53,7 @@ logger = get_logger(__name__)
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 SYSTEM_PROMPT = "You are a helpful assistant that can assist users with reasoning."
+EVAL_SEED = 10**6 + 7  # the held-out addition problems (tools/vllm_addition.py scores the same ones)
 
 
 @dataclass
@@ -412,7 +413,7 @@ def plot(results, counts, train_loops, path):
 
 def addition_demo(args, accelerator):
     tokenizer = char_tokenizer()
-    eval_ids, eval_labels = addition_batch(args.eval_size, args.digits, torch.Generator().manual_seed(10**6 + 7),
+    eval_ids, eval_labels = addition_batch(args.eval_size, args.digits, torch.Generator().manual_seed(EVAL_SEED),
                                            tokenizer)
     counts = eval_loop_counts(args)
     results, seconds = {}, {}
