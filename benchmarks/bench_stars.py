@@ -6,10 +6,10 @@
 A training step is forward + loss + backward + AdamW update on a random-token batch. The STARS step adds the JSRR
 regularizer (one loop re-run at the detached last state in eager attention, a VJP with ``create_graph``, and the
 double backward; ``n_iter=1`` as the public code), over the whole batch as STARS does and, as the recipe does, over
-the first quarter of the batch (``max_batch``). Cases: the recipe's addition model (hidden 64, 1 layer, batch 128) at 4
-and 8 loops, and a wider model (hidden 256, 2 layers, batch 16 x 64 tokens) at 4 and 8 loops. Steps alternate (plain,
-STARS, STARS on a quarter, ...) and ratios of median step times are reported. Target: <= 1.5x (the paper reports
-2.04x).
+the first quarter of the batch (``max_batch``). Cases: the recipe's former addition model (hidden 64, 1 layer, batch
+128) at 4 and 8 loops, and a wider model (hidden 256, 2 layers, batch 16 x 64 tokens) at 4 and 8 loops. Steps
+alternate (plain, STARS, STARS on a quarter, ...) and ratios of median step times are reported. Target: <= 1.5x (the
+paper reports 2.04x).
 """
 
 import argparse
