@@ -37,6 +37,7 @@ from .fp_compat import (
     is_dynamic_layer,
     is_static_layer,
     pop_cache,
+    sliding_window_rollback,
     speculative_sampling,
 )
 from .fp_registry import check_choice, check_number
@@ -77,8 +78,12 @@ def check_cache(cache) -> None:
         raise ValueError(f"draft_depth needs a DynamicCache or StaticCache; got {type(cache).__name__}.")
     for layer in layers:
         sliding = getattr(layer, "is_sliding", False)
-        if is_static_layer(layer) or (is_dynamic_layer(layer)
-                                      and (not sliding or hasattr(layer, "activate_past_recording"))):
+        if is_dynamic_layer(layer) and sliding and not sliding_window_rollback():
+            raise ValueError("draft_depth with a sliding-window cache needs a transformers release whose "
+                             "sliding-window layers can roll back rejected drafts; this one records their past but "
+                             "hands all of it to attention (transformers 5.16). Upgrade transformers, or decode "
+                             "without draft_depth.")
+        if is_static_layer(layer) or is_dynamic_layer(layer):
             continue
         raise ValueError(f"draft_depth needs a DynamicCache or StaticCache (without sliding-window static layers); "
                          f"got {type(cache).__name__} with a {type(layer).__name__}, from which rejected drafts "

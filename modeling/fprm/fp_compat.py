@@ -25,6 +25,7 @@ that imports transformers; the others import only torch and the standard library
 """
 
 import dataclasses
+import functools
 import inspect
 from types import SimpleNamespace
 
@@ -117,6 +118,24 @@ def is_dynamic_layer(layer) -> bool:
     return isinstance(layer, cache_utils.DynamicLayer)
 
 
+@functools.lru_cache(maxsize=1)
+def sliding_window_rollback() -> bool:
+    """Whether this transformers' sliding-window cache layer can record its past for a roll-back and still hand
+    attention only the keys its mask covers. Probed on a two-token window: transformers 5.16 records the past but
+    returns all of it, which the window's mask does not cover (a shape error inside attention)."""
+    layer_class = getattr(cache_utils, "DynamicSlidingWindowLayer", None)
+    if layer_class is None or not hasattr(layer_class, "activate_past_recording"):
+        return False
+    try:
+        layer = layer_class(sliding_window=2)
+        layer.activate_past_recording()
+        layer.update(torch.zeros(1, 1, 3, 1), torch.zeros(1, 1, 3, 1))
+        keys, _ = layer.update(torch.zeros(1, 1, 1, 1), torch.zeros(1, 1, 1, 1))
+    except Exception:  # another layer API: no roll-back
+        return False
+    return keys.shape[-2] == 2
+
+
 def require_dynamic_cache(cache, family: str, reason: str, static: bool = False) -> None:
     """Refuse a cache other than a ``DynamicCache`` of ``DynamicLayer`` s (``StaticCache``, ``generate(...,
     cache_implementation="static")``, an offloaded or quantized cache): a ``ValueError`` naming ``family``, the cache
@@ -182,5 +201,6 @@ __all__ = [
     "pop_cache",
     "require_dynamic_cache",
     "require_transformers",
+    "sliding_window_rollback",
     "speculative_sampling",
 ]
