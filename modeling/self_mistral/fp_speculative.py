@@ -64,9 +64,7 @@ def rollback(cache, tokens: int) -> None:
         if torch.is_tensor(getattr(layer, "cumulative_length", None)):  # static
             if tokens > 0:
                 layer.cumulative_length.sub_(tokens)
-        elif getattr(layer, "is_sliding", False):
-            layer.crop(-tokens)
-        elif tokens > 0:
+        elif tokens > 0 or getattr(layer, "is_sliding", False):  # a window is cut back to its size at 0 too
             layer.crop(-tokens)
 
 
