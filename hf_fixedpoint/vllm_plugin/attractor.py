@@ -19,7 +19,6 @@ layers and paged cache.
 import torch
 from torch import nn
 from vllm.config import VllmConfig
-from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -29,7 +28,7 @@ from vllm.model_executor.models.utils import WeightsMapper
 
 from hf_fixedpoint.modeling.attractor_lm.modeling_attractor_lm import AttractorModel as _Reference
 
-from .causal_lm import AttentionProjections, CausalLM
+from .causal_lm import AttentionProjections, CausalLM, layer_metadata
 
 
 class AttractorAttention(AttentionProjections):
@@ -143,12 +142,7 @@ class AttractorModel(nn.Module):
 
     def num_tokens(self, num_rows: int):
         """This step's tokens (the rows past them pad the batch), or None in a dummy run (no attention metadata)."""
-        if not is_forward_context_available():
-            return None
-        metadata = get_forward_context().attn_metadata
-        if isinstance(metadata, list):  # one dict per micro-batch
-            metadata = metadata[0]
-        metadata = metadata.get(self.attractor[0].self_attn.attn.layer_name) if metadata else None
+        metadata = layer_metadata(self.attractor[0].self_attn.attn.layer_name)
         return None if metadata is None else min(int(metadata.num_actual_tokens), num_rows)
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):

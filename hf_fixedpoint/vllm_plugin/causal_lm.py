@@ -1,6 +1,6 @@
-"""What the plugin's native models share: the projections of their attention layers, and the entry class (a base model,
-an LM head tied to its embedding where the config says so, and the weights of a transformers checkpoint loaded
-through ``hf_to_vllm_mapper``)."""
+"""What the plugin's native models share: the attention metadata of a layer in the current forward pass, the
+projections of their attention layers, and the entry class (a base model, an LM head tied to its embedding where the
+config says so, and the weights of a transformers checkpoint loaded through ``hf_to_vllm_mapper``)."""
 
 from collections.abc import Iterable
 
@@ -8,10 +8,21 @@ import torch
 from torch import nn
 from vllm.config import VllmConfig
 from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
+
+
+def layer_metadata(layer_name: str):
+    """The attention metadata of ``layer_name`` in this forward pass, or None (a dummy or profiling run)."""
+    if not is_forward_context_available():
+        return None
+    metadata = get_forward_context().attn_metadata
+    if isinstance(metadata, list):  # one dict per micro-batch
+        metadata = metadata[0]
+    return metadata.get(layer_name) if isinstance(metadata, dict) else metadata
 
 
 class AttentionProjections(nn.Module):
@@ -70,4 +81,4 @@ class CausalLM(nn.Module):
         return loader.load_weights(weights, mapper=self.hf_to_vllm_mapper)
 
 
-__all__ = ["AttentionProjections", "CausalLM"]
+__all__ = ["AttentionProjections", "CausalLM", "layer_metadata"]

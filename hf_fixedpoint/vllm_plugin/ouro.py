@@ -15,7 +15,6 @@
 import torch
 from torch import nn
 from vllm.config import VllmConfig
-from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -26,7 +25,7 @@ from vllm.model_executor.models.utils import WeightsMapper
 
 from hf_fixedpoint.modeling.ouro.modeling_ouro import ExitRule
 
-from .causal_lm import AttentionProjections, CausalLM
+from .causal_lm import AttentionProjections, CausalLM, layer_metadata
 from .knobs import OuroRequestKnobs
 
 
@@ -108,12 +107,9 @@ class OuroModel(nn.Module):
         """Per token: ``(depth, threshold)`` ``(N,)`` tensors from the requests' settings, or None when every token
         has the engine's defaults."""
         knobs, loops = OuroRequestKnobs.current, self.config.total_ut_steps
-        if knobs is None or not knobs.rows or not is_forward_context_available():
+        if knobs is None or not knobs.rows:
             return None
-        metadata = get_forward_context().attn_metadata
-        if isinstance(metadata, list):  # one dict per micro-batch
-            metadata = metadata[0]
-        metadata = metadata.get(self.layers[0].self_attn.attn[0].layer_name) if metadata else None
+        metadata = layer_metadata(self.layers[0].self_attn.attn[0].layer_name)
         if metadata is None:  # a dummy (profiling) run
             return None
         starts = metadata.query_start_loc.to("cpu")

@@ -23,22 +23,13 @@ form and temperature as ``modeling/self_llama``; ``fp_max_iter=1`` is the base m
 import torch
 from torch import nn
 from vllm.compilation.decorators import ignore_torch_compile
-from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.model_executor.layers.attention.attention import unified_kv_cache_update
 from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 from hf_fixedpoint.core.fp_fpsa import FPSAOptions, fpsa_attention
 from hf_fixedpoint.core.fp_settings import fixed_point_kwargs
 
-
-def layer_metadata(layer_name: str):
-    """The attention metadata of ``layer_name`` in this forward pass, or None (a dummy or profiling run)."""
-    if not is_forward_context_available():
-        return None
-    metadata = get_forward_context().attn_metadata
-    if isinstance(metadata, list):  # one dict per micro-batch
-        metadata = metadata[0]
-    return metadata.get(layer_name) if isinstance(metadata, dict) else metadata
+from .causal_lm import layer_metadata
 
 
 class SelfFPSAAttention(LlamaAttention):

@@ -183,7 +183,7 @@ def speculative_sampling(drafts, draft_scores, target_scores):
 
 
 def decoder_only_output(**fields):
-    """transformers' ``GenerateDecoderOnlyOutput`` (``past_key_values=`` is renamed where the release does)."""
+    """transformers' ``GenerateDecoderOnlyOutput`` of ``fields`` (for ``fp_speculative``, which imports only torch)."""
     return generation_utils.GenerateDecoderOnlyOutput(**fields)
 
 
