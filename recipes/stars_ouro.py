@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import DataLoaderConfiguration, DistributedType, set_seed
+from packaging.version import Version
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, PreTrainedTokenizerFast
@@ -196,17 +197,12 @@ def check_engine(args, accelerator):
         raise ValueError(f"--reg_product {args.reg_product} cannot run under FSDP (its backward pass inside the "
                          "forward fires FSDP's gradient hooks early); use --reg_product jvp (the paper's product).")
     plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
-    if getattr(plugin, "reshard_after_forward", False) is True and torch_release() < (2, 13):
+    if getattr(plugin, "reshard_after_forward", False) is True and Version(torch.__version__).release < (2, 13):
         raise ValueError(f"the jvp JSRR under FSDP with resharding after the forward crashes on torch "
                          f"{torch.__version__} (a torch.func.jvp through resharded FSDP2 parameters ends in a "
                          "segmentation fault or 'setStorage: ... out of bounds for storage of size 0' on 2.11; it "
                          "runs on 2.13): set fsdp_reshard_after_forward: false in the accelerate config, or use torch "
                          ">= 2.13.")
-
-
-def torch_release() -> tuple:
-    """torch's (major, minor) release."""
-    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 
 
 def sampler(args):
