@@ -972,15 +972,16 @@ class _MaskedSolveLoop(_SolveLoop):
             torch._assert_async(finite, "fixed-point solve produced NaN/Inf (NonFiniteError; check_every=0)")
             return
         # what the error needs, not the loop (whose iterates and solver history a deferred test would keep alive)
-        fail = functools.partial(_raise_nonfinite, self.opts.solver, self.worst < self.inf_t, self.gps, self.B, k)
+        fail = functools.partial(_raise_nonfinite, self.opts.solver, self.worst, self.inf_t, self.gps, self.B, k)
         if getattr(_DEFERRED, "checks", None) is not None:
             _DEFERRED.checks.append((finite, fail))
         elif not finite.item():
             fail()
 
 
-def _raise_nonfinite(solver: str, finite_entries: torch.Tensor, gps: int, B: int, k: int):
-    bad = sorted({int(i) for i in ((~finite_entries).nonzero()[:, 0] // gps).tolist()})
+def _raise_nonfinite(solver: str, worst: torch.Tensor, inf_t: torch.Tensor, gps: int, B: int, k: int):
+    """``NonFiniteError`` naming the samples whose entries had a non-finite residual (``worst``) while open."""
+    bad = sorted({int(i) for i in ((~(worst < inf_t)).nonzero()[:, 0] // gps).tolist()})
     raise NonFiniteError(
         f"fixed-point solve ({solver}) produced NaN/Inf by iteration {k} (check_every=0: checked after the loop) for "
         f"samples {bad[:20]}{' ...' if len(bad) > 20 else ''} (of {B}). Lower the learning rate, add damping or a "
