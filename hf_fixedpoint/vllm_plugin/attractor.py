@@ -100,8 +100,10 @@ class AttractorDecoderLayer(nn.Module):
 class AttractorModel(nn.Module):
     """Embedding -> backbone (proposal ``y0``) -> attractor fixed point ``y*`` -> final RMSNorm."""
 
-    # The package's solve of the attractor map (fixed_point with the config's fp_* settings and readout_iters).
+    # The package's solve of the attractor map (fixed_point with the config's fp_* settings and readout_iters), and its
+    # input injection.
     _solve = _Reference._solve
+    inject = _Reference.inject
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
@@ -130,11 +132,7 @@ class AttractorModel(nn.Module):
     def attractor_map(self, y, y0, positions, tail):
         """``T_a(y, y0)`` on the ``(1, n, D)`` states of this step's ``n`` tokens; ``tail``: the rows of the
         engine's padding tokens past them (``(N - n, D)``, usually none), which the attention layers take along."""
-        injection = self.config.injection
-        if injection == "concat":
-            u = self.inject_proj(torch.cat([y, y0], dim=-1))
-        else:  # "add" or "initial_only"
-            u = y + y0 if injection == "add" else y
+        u = self.inject(y, y0)
         h = u[0] if tail.shape[0] == 0 else torch.cat([u[0], tail])
         for layer in self.attractor:
             h = layer(positions, h)

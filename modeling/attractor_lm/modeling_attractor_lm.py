@@ -223,20 +223,22 @@ class AttractorModel(AttractorPreTrainedModel):
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.post_init()
 
+    def inject(self, y, y0):
+        """The attractor layers' input ``u`` from the iterate ``y`` and the proposal ``y0`` (``config.injection``)."""
+        inj = self.config.injection
+        if inj == "add":
+            return y + y0
+        if inj == "initial_only":
+            return y
+        return self.inject_proj(torch.cat([y, y0], dim=-1))
+
     def attractor_map(self, y, y0, cos, sin, mask, *past, cache=None, record=None):
         """``T_a(y, y0)``. ``past``: per attractor layer, cached keys then values of earlier tokens (read only; with a
         static cache followed by each layer's 0-dim start slot, see ``AttractorAttention``);
         ``cache``: a ``Cache`` to write this call's keys/values into (used once, at the fixed point); ``record``:
         ``{"hidden_states": [...], "attentions": [...]}`` lists to append the layers' outputs and weights to."""
-        inj = self.config.injection
-        if inj == "add":
-            u = y + y0
-        elif inj == "initial_only":
-            u = y
-        else:
-            u = self.inject_proj(torch.cat([y, y0], dim=-1))
         n = len(self.attractor)
-        h = u
+        h = self.inject(y, y0)
         for i, layer in enumerate(self.attractor):
             past_kv = past[i::n] if past else None  # (keys, values) or (keys, values, start) of layer i
             h = layer(h, (cos, sin), mask, past_key_values=cache, past_kv=past_kv,
