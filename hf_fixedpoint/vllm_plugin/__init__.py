@@ -22,13 +22,11 @@ def register() -> None:
     from vllm import ModelRegistry
 
     ModelRegistry.register_model(OURO_ARCHITECTURE, "hf_fixedpoint.vllm_plugin.ouro:OuroForCausalLM")
-    from .knobs import AttractorConfigHook, register_config_hook
+    from .knobs import AttractorConfigHook, SelfFPSAConfigHook, register_config_hook
 
     register_config_hook(OURO_ARCHITECTURE)
     ModelRegistry.register_model(ATTRACTOR_ARCHITECTURE, "hf_fixedpoint.vllm_plugin.attractor:AttractorForCausalLM")
     register_config_hook(ATTRACTOR_ARCHITECTURE, AttractorConfigHook)
-    from .self_fpsa_config import SelfFPSAConfigHook
-
     for architecture in SELF_ARCHITECTURES:
         ModelRegistry.register_model(architecture, "hf_fixedpoint.vllm_plugin.self_fpsa:SelfFPSAForCausalLM")
         register_config_hook(architecture, SelfFPSAConfigHook)

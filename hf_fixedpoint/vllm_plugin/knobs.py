@@ -9,29 +9,26 @@ them per token (rows are mapped to tokens through the attention metadata's ``que
 The largest allowed ``total_ut_steps`` is the engine's loop count (the config's ``total_ut_steps``, e.g. from
 ``hf_overrides``): the paged KV cache holds one slot per (loop, layer) for that many loops. The front-end learns it
 from ``OuroConfigHook``, which vLLM runs on the engine's config when it is built (in the front-end process).
-``AttractorConfigHook`` is Attractor LM's: it refuses, at engine start, the settings its native model does not serve.
+``AttractorConfigHook`` and ``SelfFPSAConfigHook`` are the Attractor LM's and SELF's: they refuse, at engine start,
+the settings their native models do not serve (subclasses of vLLM's ``VerifyAndUpdateConfig``, as vLLM's own hooks).
 """
 
+import logging
 import math
 
+from vllm.model_executor.models.config import VerifyAndUpdateConfig
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
+from .self_fpsa_config import check_engine
 from .settings import check_request, check_stop_fraction
+
+logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, whose handlers vLLM configures
 
 # Loop count of the Ouro engine configured in this process (None: none), for validate_params.
 _SERVED = {"loops": None}
 
 
-class ConfigHook:
-    """vLLM's per-architecture config hook (``MODELS_CONFIG_MAP``); a family's hook checks its config in
-    ``verify_and_update_config``."""
-
-    @staticmethod
-    def verify_and_update_model_config(model_config) -> None:
-        return
-
-
-class OuroConfigHook(ConfigHook):
+class OuroConfigHook(VerifyAndUpdateConfig):
     """Ouro's config hook: refuses the settings the native Ouro does not serve, and records the engine's loop count
     for the request checks of this process."""
 
@@ -51,13 +48,27 @@ class OuroConfigHook(ConfigHook):
         _SERVED["loops"] = int(config.total_ut_steps)
 
 
-class AttractorConfigHook(ConfigHook):
+class AttractorConfigHook(VerifyAndUpdateConfig):
     """Attractor LM's config hook: refuses, at engine start, the settings the
     native Attractor LM would not serve as transformers runs them."""
 
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
         check_stop_fraction(vllm_config.model_config.hf_config)
+
+
+class SelfFPSAConfigHook(VerifyAndUpdateConfig):
+    """SELF-LLaMA / SELF-Mistral's config hook: ``self_fpsa_config.check_engine``, and eager execution (the number of
+    solve iterations depends on the data, which neither a CUDA graph nor vLLM's compiled graph can hold)."""
+
+    @staticmethod
+    def verify_and_update_config(vllm_config) -> None:
+        model_config = vllm_config.model_config
+        check_engine(model_config.hf_config, vllm_config.parallel_config.tensor_parallel_size)
+        if not model_config.enforce_eager:
+            logger.warning("hf-fixedpoint's vLLM plugin: %s runs eagerly (enforce_eager=True): its fixed-point solves "
+                           "stop when they converge.", model_config.architecture)
+            model_config.enforce_eager = True
 
 
 def register_config_hook(architecture: str, hook=OuroConfigHook) -> None:
@@ -122,4 +133,4 @@ class OuroRequestKnobs(LogitsProcessor):
         return depths, thresholds
 
 
-__all__ = ["AttractorConfigHook", "ConfigHook", "OuroConfigHook", "OuroRequestKnobs", "register_config_hook"]
+__all__ = ["AttractorConfigHook", "OuroConfigHook", "OuroRequestKnobs", "SelfFPSAConfigHook", "register_config_hook"]

@@ -1,13 +1,9 @@
 """What the native SELF-LLaMA / SELF-Mistral serve, checked when vLLM builds its engine config (before any worker
 starts): an export it would serve differently from transformers is refused with a ``ValueError`` naming the setting and
-the values allowed. ``check_engine`` imports nothing from vLLM (tested without it); ``SelfFPSAConfigHook`` is the
-per-architecture hook vLLM runs (``MODELS_CONFIG_MAP``)."""
-
-import logging
+the values allowed. ``check_engine`` imports nothing from vLLM (tested without it); ``knobs.SelfFPSAConfigHook``, the
+per-architecture hook vLLM runs (``MODELS_CONFIG_MAP``), calls it."""
 
 from .settings import check_stop_fraction
-
-logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, whose handlers vLLM configures
 
 PLUGIN = "hf-fixedpoint's vLLM plugin"
 
@@ -21,22 +17,4 @@ def check_engine(hf_config, tensor_parallel_size: int) -> None:
     check_stop_fraction(hf_config)
 
 
-class SelfFPSAConfigHook:
-    """vLLM's config hook for the SELF architectures: the checks above, and eager execution (the number of solve
-    iterations depends on the data, which neither a CUDA graph nor vLLM's compiled graph can hold)."""
-
-    @staticmethod
-    def verify_and_update_model_config(model_config) -> None:
-        return
-
-    @staticmethod
-    def verify_and_update_config(vllm_config) -> None:
-        model_config = vllm_config.model_config
-        check_engine(model_config.hf_config, vllm_config.parallel_config.tensor_parallel_size)
-        if not model_config.enforce_eager:
-            logger.warning("%s: %s runs eagerly (enforce_eager=True): its fixed-point solves stop when they converge.",
-                        PLUGIN, model_config.architecture)
-            model_config.enforce_eager = True
-
-
-__all__ = ["SelfFPSAConfigHook", "check_engine"]
+__all__ = ["check_engine"]
