@@ -673,16 +673,20 @@ class OuroModel(OuroPreTrainedModel):
                 raise ValueError(f"{name}=True is not supported with exit_mode='skip' (the layers run on the running "
                                  "tokens only); use exit_mode='select'.")
 
-    def _guard_depth(self, loops: int, change: Optional[torch.Tensor]) -> None:
+    def _guard_depth(self, loops: int, change) -> None:
         """Warn once (``LoopDepthWarning``) when this call runs past the trained loop counts and the batch's mean
-        change per loop grows (the last loop changes the state more than the last trained loop did) or stays above
-        ``config.loop_guard_tol`` past the trained depth."""
+        change per loop (``loop_change``, or a function giving it, called only where the guard applies) grows (the
+        last loop changes the state more than the last trained loop did) or stays above ``config.loop_guard_tol``
+        past the trained depth."""
         tol = getattr(self.config, "loop_guard_tol", None)
         trained = getattr(self.config, "trained_loops", None)
         deepest = trained[1] if trained else self.config.total_ut_steps
-        if tol is None or change is None or loops <= deepest or getattr(self, "_depth_warned", False):
+        if tol is None or loops <= deepest or getattr(self, "_depth_warned", False):
             return
         if self.training or torch.compiler.is_compiling():
+            return
+        change = change() if callable(change) else change
+        if change is None:
             return
         mean = change.mean(0)  # (T - 1,): mean[j] is the change into loop j + 2 (1-based) from loop j + 1
         past = mean[deepest - 1:]  # the changes into the loops past the trained depth
@@ -859,14 +863,18 @@ class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
 #
 # Every (loop, layer) has its own cache slots, so a draft of ``d`` loops computes exactly loops 1..d of the full model
 # for the drafted tokens: verification runs loops d+1..K on their loop-d states, all drafted tokens in one pass, and
-# keeps the draft's cache entries. The loop itself (``generate`` plumbing, acceptance, roll-back, draft length) is
-# ``fp_speculative``'s, shared with the fixed-point families.
+# keeps the draft's cache entries. Loop ``t`` at a position depends only on loop ``t`` at the positions up to it and on
+# loop ``t - 1``, so the prompt too needs only its loops 1..d before drafting: the prefill runs those (its last
+# position drafts the first token), and the first verification runs loops d+1..K on the prompt and the drafts in one
+# pass, the same computation as a full-depth prefill followed by a verification. The loop itself (``generate``
+# plumbing, acceptance, roll-back, draft length) is ``fp_speculative``'s, shared with the fixed-point families.
 
 
-def _run_loops(model, hidden, position_ids, attention_mask, cache, start: int, stop: int):
+def _run_loops(model, hidden, position_ids, attention_mask, cache, start: int, stop: int, gated: bool = True):
     """Loops ``start..stop - 1`` (0-based) of an ``OuroModel`` on ``hidden`` ``(B, q, D)`` (the state after loop
     ``start``; the embeddings for ``start = 0``) at ``position_ids`` ``(B, q)``, reading and writing the cache slots of
-    those loops. Returns the states and gate logits of each loop."""
+    those loops. Returns the states and gate logits of each loop (no gate logits when not ``gated``: the decoding
+    rule does not read them)."""
     layers = model.config.num_hidden_layers
     if hidden.shape[1] == 1 and attention_mask is None and isinstance(cache.layers[start * layers], DynamicLayer):
         mask = None  # one query, no padding, no static slots past the length: it attends every key
@@ -880,13 +888,15 @@ def _run_loops(model, hidden, position_ids, attention_mask, cache, start: int, s
     for t in range(start, stop):
         hidden = model.loop(hidden, mask, rope, cache, offset=t * layers)
         states.append(hidden)
-        gates.append(model.early_exit_gate(hidden))
+        if gated:
+            gates.append(model.early_exit_gate(hidden))
     return states, gates
 
 
 class _OuroSpeculation(Speculation):
-    """Ouro's draft (loops 1..d, one position at a time) and verification (loops d+1..K on the drafted positions'
-    loop-d states, in one pass, decoded by the call's exit rule); the call's loop and exit settings, validated."""
+    """Ouro's deferred prefill (the prompt's loops 1..d, whose last position drafts the first token), draft (loops
+    1..d, one position at a time) and verification (loops d+1..K on the loop-d states of every position not yet at
+    full depth, in one pass, decoded by the call's exit rule); the call's loop and exit settings, validated."""
 
     UNSUPPORTED_FLAGS = Speculation.UNSUPPORTED_FLAGS + ("output_loop_logits",)
 
@@ -905,49 +915,69 @@ class _OuroSpeculation(Speculation):
         if self.step is not None:
             check_number(self.step, "exit_at_step", low=0, high=self.loops - 1, integer=True)
         self.weighted = bool(model_kwargs.pop("use_weighted_exit", False))
-        self.exit_kwargs = {"exit_threshold": self.threshold, "exit_tol": self.tol, "exit_at_step": self.step,
-                            "use_weighted_exit": self.weighted, "exit_mode": "select"}
+        self.gated = self.threshold is not None or self.weighted  # the rules that read the exit gate
         super().__init__(model, generation_config, model_kwargs)
+        # the prompt's positions before its last token (pending: the first verification runs their loops d+1..K) and
+        # the first draft step, taken by the prefill (the prompt's last position at loop d)
+        self.pending, self.first = None, None
 
     def prefill(self, state, input_ids, model_kwargs, logits_processor) -> None:
-        """The prompt at full depth (every slot filled) and its first token."""
-        out = self.model(input_ids=input_ids, attention_mask=model_kwargs.get("attention_mask"),
-                         position_ids=model_kwargs.get("position_ids"), past_key_values=self.cache, use_cache=True,
-                         total_ut_steps=self.loops, logits_to_keep=1, **self.exit_kwargs)
-        scores = logits_processor(state.ids, out.logits[:, -1].to(torch.float32))
-        state.append(self.choose(scores)[:, None], scores[:, None])
+        """Loops 1..d of the prompt (the slots of those loops). Its last position's loop-d state drafts the first
+        token, and its deeper loops run in the first verification, with the drafts: the prompt never runs the full
+        depth alone (``state.last`` stays the prompt's last token)."""
+        core = self.model.model
+        core._prepare_cache(self.cache, self.loops)
+        positions = model_kwargs.get("position_ids")
+        if positions is None:  # as forward's: 0..n-1 (the cache is empty, see Speculation)
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
+        states, gates = _run_loops(core, core.embed_tokens(input_ids), positions, state.mask, self.cache, 0,
+                                   self.depth, self.gated)
+        self.pending = positions[:, :-1]
+        self.first = self.model.lm_head(states[-1][:, -1]), (states, gates)
 
     def draft(self, state, k: int, logits_processor):
         """Up to ``k`` tokens at ``draft_depth`` loops; what ``verify`` needs of them: per loop 1..d the states and
-        gate logits of the positions they were drafted from."""
-        core = self.model.model
+        gate logits of the positions it decodes (the last kept token or the prompt, and the drafts), the last draft's
+        loops 1..d included (no token is drafted from it)."""
+        core, first, self.first = self.model.model, self.first, None
+
+        def run(token, j):  # loops 1..d of ``token`` at position ``j`` of the round
+            return _run_loops(core, core.embed_tokens(token[:, None]), state.positions(j + 1)[:, j:],
+                              state.mask_with(j), self.cache, 0, self.depth, self.gated)
 
         def step(token, j):
-            s, g = _run_loops(core, core.embed_tokens(token[:, None]), state.positions(j + 1)[:, j:],
-                              state.mask_with(j), self.cache, 0, self.depth)
-            return self.model.lm_head(s[-1])[:, -1], (s, g)
+            if j == 0 and first is not None:  # the prompt's last position, run by the prefill
+                return first
+            loops = run(token, j)
+            return self.model.lm_head(loops[0][-1])[:, -1], loops
 
         drafts, scores, loops = self.draft_tokens(state, k, logits_processor, step)
-        states = [[s[t] for s, _ in loops] for t in range(self.depth)]
-        gates = [[g[t] for _, g in loops] for t in range(self.depth)]
+        k = drafts.shape[1]
+        loops.append(first[1] if k == 0 and first is not None else run(drafts[:, -1] if k else state.last, k))
+        states = [torch.cat([s[t] for s, _ in loops], dim=1) for t in range(self.depth)]
+        gates = [torch.cat([g[t] for _, g in loops], dim=1) for t in range(self.depth)] if self.gated else []
         return drafts, scores, (states, gates)
 
     def verify(self, state, drafts, carry, logits_processor):
-        """The full model at the ``k + 1`` positions from the last kept token to the last draft: loops 1..d for the
-        last draft (not drafted from yet), then loops d+1..K on all the positions' loop-d states in one pass. Returns
-        the processed scores ``(B, k + 1, V)``, decoded by the same exit rule as ``forward``."""
+        """Loops d+1..K on the loop-d states of the positions from the last kept token to the last draft (and, in
+        the first round, of the prompt's earlier positions: the deferred prefill), in one pass. Returns the processed
+        scores ``(B, k + 1, V)``, decoded by the same exit rule as ``forward``."""
         (states, gates), core, k = carry, self.model.model, drafts.shape[1]
-        token = drafts[:, -1] if k else state.last
-        s, g = _run_loops(core, core.embed_tokens(token[:, None]), state.positions(k + 1)[:, k:], state.mask_with(k),
-                          self.cache, 0, self.depth)
-        states = [torch.cat(x + [y], dim=1) for x, y in zip(states, s)]
-        gates = [torch.cat(x + [y], dim=1) for x, y in zip(gates, g)]
-        rest, rest_gates = _run_loops(core, states[-1], state.positions(k + 1), state.mask_with(k), self.cache,
-                                      self.depth, self.loops)
-        states, gate_logits = states + rest, torch.cat(gates + rest_gates, dim=-1)
+        positions = state.positions(k + 1)
+        if self.pending is not None:  # the first round: the prompt's positions too
+            positions, self.pending = torch.cat([self.pending, positions], dim=1), None
+        rest, rest_gates = _run_loops(core, states[-1], positions, state.mask_with(k), self.cache, self.depth,
+                                      self.loops, self.gated)
+        states = states + rest
+        if positions.shape[1] > k + 1:  # the prompt at every loop: the depth guard of forward
+            prompt = state.ids.shape[1]
+            core._guard_depth(self.loops, lambda: loop_change([h[:, :prompt] for h in states], state.mask))
+        states = [h[:, -(k + 1):] for h in states]
+        gate_logits = torch.cat(gates + rest_gates, dim=-1)[:, -(k + 1):] if self.gated else None
         loop_logits = [self.model.lm_head(h) for h in states] if self.weighted else None
-        logits, _ = self.model._select_logits(states, loop_logits, exit_distribution(gate_logits), gate_logits,
-                                              self.step, self.weighted, self.threshold, self.tol)
+        pdf = exit_distribution(gate_logits) if self.weighted else None
+        logits, _ = self.model._select_logits(states, loop_logits, pdf, gate_logits, self.step, self.weighted,
+                                              self.threshold, self.tol)
         return self.process(state, drafts, logits, logits_processor)
 
 

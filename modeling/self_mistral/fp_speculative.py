@@ -90,8 +90,8 @@ def check_cache(cache) -> None:
 
 class SpeculativeState:
     """The running sequences: ``ids`` ``(B, n)``, the 2-d ``mask`` (None: no padding), the next position ``pos``
-    ``(B,)`` and token ``last`` ``(B,)`` (not yet in the cache), ``unfinished`` ``(B,)``, and the kept tokens'
-    processed ``scores``."""
+    ``(B,)`` and token ``last`` ``(B,)`` (not yet in the cache at full depth: the prompt's last token until a token is
+    appended), ``unfinished`` ``(B,)``, and the kept tokens' processed ``scores``."""
 
     def __init__(self, ids, mask, position_ids, generation_config, stopping_criteria):
         self.ids, self.mask, self.stopping = ids, mask, stopping_criteria
@@ -99,7 +99,7 @@ class SpeculativeState:
                     else torch.full((ids.shape[0],), ids.shape[1] - 1, dtype=torch.long, device=ids.device))
         self.unfinished = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
         self.pad = generation_config._pad_token_tensor
-        self.scores, self.last = [], None
+        self.scores, self.last = [], ids[:, -1]
 
     def padded(self, token):
         """``token`` ``(B,)`` with finished rows' replaced by padding, as greedy search feeds them."""
@@ -145,6 +145,10 @@ class Speculation:
         self._check_generation(generation_config, model_kwargs)
         self.cache = pop_cache(model_kwargs.pop("past_key_values", None), model_kwargs)
         check_cache(self.cache)
+        held = int(self.cache.get_seq_length())
+        if held:  # the prefill runs the whole prompt (transformers' generate would feed only its uncached tokens)
+            raise ValueError(f"draft_depth starts from an empty cache; this one already holds {held} positions. Pass "
+                             "a new cache (or none), or decode without draft_depth.")
         for layer in self.cache.layers:  # sliding windows keep their past until a round's roll-back cuts them
             if getattr(layer, "is_sliding", False):
                 layer.activate_past_recording()
@@ -186,7 +190,10 @@ class Speculation:
         return scores.argmax(-1)
 
     def prefill(self, state, input_ids, model_kwargs, logits_processor) -> None:
-        """The prompt at the full depth, and its first token (``state.append``)."""
+        """The prompt at the full depth and its first token (``state.append``); or, where the draft's cache entries
+        are the full model's (Ouro), the prompt at the draft's depth only, appending nothing: the first round then
+        drafts the first token and its verification completes the prompt's depth (``state.last`` is the prompt's
+        last token)."""
         raise NotImplementedError
 
     def draft(self, state, k: int, logits_processor):

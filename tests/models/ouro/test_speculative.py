@@ -1,8 +1,9 @@
 """Ouro's self-speculative decoding (``generate(..., draft_depth=d)``): the tokens of full-depth greedy search at
 batch 1 and in left-padded batches whose rows accept different numbers of drafts, on a random model (drafts mostly
-rejected) and on one whose drafts are mostly accepted; the cache after decoding equals full-depth greedy's in every
-(loop, layer) slot (dynamic and static); the exit rules compose; sampling keeps the output distribution; bad input is
-refused; the saved export does it with torch + transformers only."""
+rejected) and on one whose drafts are mostly accepted; the first token is drafted from the prompt's loop-d state and
+verified with the prompt's deeper loops (rejected or accepted); the cache after decoding equals full-depth greedy's in
+every (loop, layer) slot (dynamic and static); the exit rules and the depth guard compose; sampling keeps the output
+distribution; bad input is refused; the saved export does it with torch + transformers only."""
 
 import json
 import os
@@ -110,6 +111,49 @@ def test_the_cache_after_decoding_is_full_depth_greedy_s(static):
         torch.testing.assert_close(v, v_ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("branch_scale", [None, 0.05])
+@pytest.mark.parametrize("new", [1, 2])
+def test_the_first_token_is_drafted_from_the_prompt_and_verified(branch_scale, new):
+    """The prefill runs the draft's loops only: the first token is a draft, from the prompt's loop-d state, verified
+    with the prompt's deeper loops (rejected by the random model, accepted by the nearly settled one); with one new
+    token nothing is drafted (one verification). The tokens and every cache slot are full-depth greedy's."""
+    model = _model(branch_scale)
+    ids, mask = _batch()
+    kw = {"attention_mask": mask, "max_new_tokens": new, "do_sample": False, "pad_token_id": 0,
+          "return_dict_in_generate": True}
+    full = model.generate(ids, past_key_values=DynamicCache(), **kw)
+    spec = model.generate(ids, past_key_values=DynamicCache(), draft_depth=1, num_assistant_tokens=1, **kw)
+    assert torch.equal(spec.sequences, full.sequences)
+    assert spec.draft_tokens.tolist() == [new - 1] * 3
+    assert spec.accepted_draft_tokens.tolist() == [0 if branch_scale is None else new - 1] * 3
+    assert spec.verify_rounds == (1 if new == 1 or branch_scale is not None else 2)
+    for (k, v), (k_ref, v_ref) in zip(_slots(spec.past_key_values), _slots(full.past_key_values), strict=True):
+        assert k.shape == k_ref.shape == (3, 2, ids.shape[1] + new - 1, 8)
+        torch.testing.assert_close(k, k_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v, v_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_cache_that_holds_tokens_is_refused():
+    model = _model()
+    ids, mask = _batch()
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(ids[:, :4], attention_mask=mask[:, :4], past_key_values=cache, use_cache=True)
+    with pytest.raises(ValueError, match="empty cache; this one already holds 4 positions"):
+        _greedy(model, ids, mask, draft_depth=1, past_key_values=cache)
+
+
+def test_the_depth_guard_warns_from_the_first_verification():
+    """The prompt's deeper loops run in the first verification, which warns as ``forward`` would when the call runs
+    past the trained depth and the state does not settle."""
+    from hf_fixedpoint.modeling.ouro.modeling_ouro import LoopDepthWarning
+
+    model = _model(trained_loops=3, loop_guard_tol=1e-3)
+    ids, mask = _batch()
+    with pytest.warns(LoopDepthWarning, match="total_ut_steps=5 loops, past the 3"):
+        _greedy(model, ids, mask, total_ut_steps=5, draft_depth=2)
+
+
 def test_static_cache_implementation():
     model = _model(0.6)
     ids, mask = _batch()
@@ -141,25 +185,25 @@ def _distribution(tokens, vocab):
 
 
 def test_sampling_keeps_the_full_depth_distribution():
-    """The speculative acceptance rule: the second and third sampled tokens (one draft and the verification's next
-    token, after the prompt's) are distributed as full-depth sampling's, not as the draft's (total variation
-    distance on 6000 samples of 9 outcomes; sampling noise about 0.02)."""
+    """The speculative acceptance rule: the first two sampled tokens (the first one drafted from the prompt's loop-d
+    state and accepted or not, then the verification's next token) are distributed as full-depth sampling's, not as
+    the draft's (total variation distance on 6000 samples of 9 outcomes; sampling noise about 0.02)."""
     model = _model(branch_scale=4.0, vocab_size=3, total_ut_steps=3)  # loops that move the state a lot
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)  # and sharper distributions: the draft's differs from the full depth's
     ids = torch.tensor([[1, 2, 1]]).repeat(6000, 1)
-    kw = {"max_new_tokens": 3, "min_new_tokens": 3, "do_sample": True, "top_k": 0, "pad_token_id": 0}
+    kw = {"max_new_tokens": 2, "min_new_tokens": 2, "do_sample": True, "top_k": 0, "pad_token_id": 0}
     torch.manual_seed(1)
-    full = _distribution(model.generate(ids, **kw)[:, 4:], 3)
+    full = _distribution(model.generate(ids, **kw)[:, 3:], 3)
     torch.manual_seed(2)
-    out = model.generate(ids, draft_depth=1, num_assistant_tokens=2, return_dict_in_generate=True, **EVERY_DRAFT,
+    out = model.generate(ids, draft_depth=1, num_assistant_tokens=1, return_dict_in_generate=True, **EVERY_DRAFT,
                          **kw)
-    spec = _distribution(out.sequences[:, 4:], 3)
-    assert bool((out.draft_tokens == 1).all())  # one draft per row, accepted or not by the rule
+    spec = _distribution(out.sequences[:, 3:], 3)
+    assert bool((out.draft_tokens == 1).all())  # one draft per row (the first token), accepted or not by the rule
     accepted = out.accepted_draft_tokens.double().mean()
     assert 0.3 < accepted < 0.95, accepted
     torch.manual_seed(3)
-    draft = _distribution(model.generate(ids, total_ut_steps=1, **kw)[:, 4:], 3)
+    draft = _distribution(model.generate(ids, total_ut_steps=1, **kw)[:, 3:], 3)
     tv = 0.5 * (spec - full).abs().sum()
     assert tv < 0.05, tv
     assert 0.5 * (draft - full).abs().sum() > 0.15  # the draft's own distribution is far off
