@@ -362,6 +362,8 @@ def speculative_decoding(model, input_ids, logits_processor, stopping_criteria, 
     With ``return_dict_in_generate=True`` the output also holds ``draft_tokens`` and ``accepted_draft_tokens``
     ``(B,)`` (drafted tokens and those the full depth agreed with, per row) and ``verify_rounds``.
     """
+    if input_ids.shape[1] == 0:  # generate(inputs_embeds=...) alone: the drafts and the state need the tokens
+        raise ValueError("draft_depth needs the prompt's tokens (input_ids); inputs_embeds alone is not supported.")
     spec = model._speculation(generation_config, draft_depth, model_kwargs)
     state = SpeculativeState(input_ids, model_kwargs.get("attention_mask"), model_kwargs.get("position_ids"),
                              generation_config, stopping_criteria)

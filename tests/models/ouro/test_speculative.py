@@ -143,6 +143,13 @@ def test_a_cache_that_holds_tokens_is_refused():
         _greedy(model, ids, mask, draft_depth=1, past_key_values=cache)
 
 
+def test_a_prompt_given_as_embeddings_only_is_refused():
+    model = _model()
+    ids, _ = _batch()
+    with pytest.raises(ValueError, match="input_ids"):
+        model.generate(inputs_embeds=model.model.embed_tokens(ids), max_new_tokens=2, draft_depth=1)
+
+
 def test_the_depth_guard_warns_from_the_first_verification():
     """The prompt's deeper loops run in the first verification, which warns as ``forward`` would when the call runs
     past the trained depth and the state does not settle."""
