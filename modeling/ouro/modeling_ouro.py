@@ -963,13 +963,13 @@ class _OuroSpeculation(Speculation):
         the first round, of the prompt's earlier positions: the deferred prefill), in one pass. Returns the processed
         scores ``(B, k + 1, V)``, decoded by the same exit rule as ``forward``."""
         (states, gates), core, k = carry, self.model.model, drafts.shape[1]
-        positions = state.positions(k + 1)
-        if self.pending is not None:  # the first round: the prompt's positions too
+        positions, first = state.positions(k + 1), self.pending is not None
+        if first:  # the first round: the prompt's earlier positions too
             positions, self.pending = torch.cat([self.pending, positions], dim=1), None
         rest, rest_gates = _run_loops(core, states[-1], positions, state.mask_with(k), self.cache, self.depth,
                                       self.loops, self.gated)
         states = states + rest
-        if positions.shape[1] > k + 1:  # the prompt at every loop: the depth guard of forward
+        if first:  # the prompt at every loop: the depth guard of forward
             prompt = state.ids.shape[1]
             core._guard_depth(self.loops, lambda: loop_change([h[:, :prompt] for h in states], state.mask))
         states = [h[:, -(k + 1):] for h in states]
