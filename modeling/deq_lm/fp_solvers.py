@@ -662,6 +662,10 @@ class _SolveLoop:
         """``f``'s ``active=`` with ``pass_active``: the open entries, None while every entry is open."""
         return None if self.done is None else (~self.done).view(self.wshape[:self.opts.batch_dims])
 
+    def _closed(self):
+        """The working rows that converged or were halted; None while every row is open."""
+        return self.done
+
     def _call_f(self):
         """``f`` of the working rows, ``(rows, d)``."""
         z, wshape = self.z, self.wshape
@@ -688,7 +692,7 @@ class _SolveLoop:
         if self.trace is not None:
             row = z.new_full((self.G,), math.nan, dtype=res.dtype)
             row[slice(None) if self.gidx is None else self.gidx] = (
-                res if self.done is None else res.masked_fill(self.done, math.nan))
+                res if self._closed() is None else res.masked_fill(self._closed(), math.nan))
             self.trace.append(row)
         return fz, gz, res
 
@@ -884,6 +888,11 @@ class _SolveLoop:
             parts = self.results + [(self.gidx, out, out_res, nstep, conv)]
             order = torch.argsort(torch.cat([p[0] for p in parts]))
             out, out_res, nstep, conv = (torch.cat([p[i] for p in parts]).index_select(0, order) for i in range(1, 5))
+        return self._stats(k, out, out_res, nstep, conv)
+
+    def _stats(self, k, out, out_res, nstep, conv):
+        """``(z_star, stats)`` from the per-entry results (``(entries, ...)``)."""
+        opts = self.opts
         entry_shape = self.shape[:opts.batch_dims]
         if opts.batch_dims > 1:  # a view costs about as much as a small op: only where the shape changes
             nstep, out_res, conv = (t.view(entry_shape) for t in (nstep, out_res, conv))
@@ -905,63 +914,81 @@ class _MaskedSolveLoop(_SolveLoop):
     """The loop of ``check_every=0``: no host read until the loop has run ``max_iter`` evaluations.
 
     After every evaluation the convergence state is settled on the device by masks: entries below the tolerance (or
-    halted by the solver, or stopped by ``stop_fraction``) are recorded and frozen, the best iterate is updated, and
-    the largest residual each open entry had is kept, so a NaN or Inf shows in the one read after the loop.
+    halted by the solver, or stopped by ``stop_fraction``) are closed and frozen (as in the default loop, Picard's
+    finished samples run on instead), and the largest residual each open entry had is kept, so a NaN or Inf shows in
+    the one read after the loop. ``out`` holds one image per entry: its result once it is closed, the best (lowest
+    residual) image so far while it is open (``return_mode="best"``), so one ``where`` per step keeps both.
     """
 
     def __init__(self, *args):
         super().__init__(*args)
-        G, dev = self.G, self.z.device
-        self.done = torch.zeros(G, dtype=torch.bool, device=dev)
-        self.conv = torch.zeros_like(self.done)
-        self.nstep = torch.zeros(G, dtype=torch.long, device=dev)
+        self.open = None  # the entries still iterating (None until the first evaluation: all of them)
         self.worst = None  # per entry, the largest residual while open (NaN / Inf propagate)
+        # Entries that can close without converging (a halting solver, stop_fraction) need conv of their own;
+        # otherwise the converged entries are the closed ones.
+        self.stops = self.halts or self.opts.stop_fraction > 0
 
     def run(self):
-        max_iter, k = self.opts.max_iter, 0
+        max_iter, algo, evaluate, settle = self.opts.max_iter, self.algo, self._evaluate, self._settle_masked
+        k = 0
         for k in range(1, max_iter + 1):
-            fz, gz, res = self._evaluate()
-            self._settle_masked(k, fz, res)
+            fz, gz, res = evaluate()
+            settle(k, fz, res)
             if k == max_iter:
                 break
-            self.z = torch.where(self.frozen, self.out, self.algo.step(self.z, fz, gz, k))
+            z = algo.step(self.z, fz, gz, k)
+            self.z = torch.where(self.open[:, None], z, self.out) if self.freeze else z
         self._check(k)
         return self._result(k, fz, res)
 
+    def _active(self):
+        return None if self.open is None else self.open.view(self.wshape[:self.opts.batch_dims])
+
+    def _closed(self):
+        return None if self.open is None else ~self.open
+
     def _settle_masked(self, k, fz, res):
-        """Device ops only: record and freeze the entries that finish at step ``k``, update the best iterate."""
-        opts, done = self.opts, self.done
+        """Device ops only: update ``out`` with the image of step ``k``, close the entries that finish at it."""
+        opts, open_ = self.opts, self.open
         if self.tol_t is None:
             self.tol_t = torch.full((), opts.tol, dtype=res.dtype, device=res.device)
-        worst = torch.where(done, self.zero_t, res)
-        self.worst = worst if self.worst is None else torch.maximum(self.worst, worst)
-        if opts.return_mode == "best":
-            if self.best is None:
-                self.best, self.best_res = fz, res
+        conv_now = res < self.tol_t if k >= opts.min_iter else None
+        if open_ is None:  # the first evaluation: every entry open, its image the best so far
+            self.out, self.out_res, self.worst = fz, res, res
+            self.nstep = torch.ones_like(res, dtype=torch.long)
+            newly = conv_now
+            open_ = torch.ones_like(res, dtype=torch.bool) if conv_now is None else ~conv_now
+        else:
+            self.nstep = self.nstep + open_  # an entry's count grows while it is open
+            self.worst = torch.maximum(self.worst, torch.where(open_, res, self.zero_t))
+            newly = None if conv_now is None else conv_now & open_
+            if opts.return_mode == "best":  # a better image, or the converged one (with min_iter, maybe not better)
+                better = res <= self.out_res
+                update = (better if conv_now is None else better | conv_now) & open_
             else:
-                self._update_best(res <= self.best_res, fz, res)
-        newly = (res < self.tol_t) & ~done if k >= opts.min_iter else None
-        if self.out is None:
-            self.out, self.out_res = fz, res
-        elif newly is not None:
-            self.out = torch.where(newly[:, None], fz, self.out)
-            self.out_res = torch.where(newly, res, self.out_res)
-        if newly is not None:
-            self.nstep = self.nstep.masked_fill(newly, k)
-            self.conv = self.conv | newly
-            done = done | newly
+                update = newly
+            if update is not None:
+                self.out = torch.where(update[:, None], fz, self.out)
+                self.out_res = torch.where(update, res, self.out_res)
+            if newly is not None:
+                open_ = open_ ^ newly
+        if self.stops:
+            self.conv = newly if self.conv is None else (self.conv if newly is None else self.conv | newly)
+            open_ = self._stop(fz, res, open_)
+        self.open = open_
+
+    def _stop(self, fz, res, open_):
+        """Close the entries the solver halted, or every open entry once ``stop_fraction`` is reached; they return the
+        best (or last) image."""
         stop = self.algo.halted() if self.halts else None
-        if opts.stop_fraction > 0:
-            few = (~done).sum() <= opts.stop_fraction * self.G
+        if self.opts.stop_fraction > 0:
+            few = open_.sum() <= self.opts.stop_fraction * self.G
             stop = few if stop is None else stop | few
-        if stop is not None:  # halted entries return the best (or last) iterate's image
-            newly_stopped = stop & ~done
-            src, src_res = (self.best, self.best_res) if opts.return_mode == "best" else (fz, res)
-            self.out = torch.where(newly_stopped[:, None], src, self.out)
-            self.out_res = torch.where(newly_stopped, src_res, self.out_res)
-            self.nstep = self.nstep.masked_fill(newly_stopped, k)
-            done = done | newly_stopped
-        self.done, self.frozen = done, done[:, None]
+        stopped = stop & open_
+        if self.opts.return_mode == "last":
+            self.out = torch.where(stopped[:, None], fz, self.out)
+            self.out_res = torch.where(stopped, res, self.out_res)
+        return open_ ^ stopped
 
     def _check(self, k):
         """The one host read, after the loop: a non-finite residual of an open entry raises. Inside a
@@ -977,6 +1004,13 @@ class _MaskedSolveLoop(_SolveLoop):
             _DEFERRED.checks.append((finite, fail))
         elif not finite.item():
             fail()
+
+    def _result(self, k, fz, res):
+        out, out_res, open_ = self.out, self.out_res, self.open
+        if self.opts.return_mode == "last":  # the open entries return the last image ("best": out holds the best)
+            out = torch.where(open_[:, None], fz, out)
+            out_res = torch.where(open_, res, out_res)
+        return self._stats(k, out, out_res, self.nstep, self.conv if self.stops else ~open_)
 
 
 def _raise_nonfinite(solver: str, worst: torch.Tensor, inf_t: torch.Tensor, gps: int, B: int, k: int):
