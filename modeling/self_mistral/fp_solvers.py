@@ -393,13 +393,13 @@ class SolveOptions:
         track_trace: keep the residual of every iteration in ``stats.trace``.
         check_every: how often the host reads the convergence state: every ``k`` iterations (1, the default: every
             iteration, the solve stops at the first iteration where it may); ``0``: never inside the loop, which then
-            runs ``max_iter`` evaluations with finished entries frozen on the device by masks (no compaction, no
-            ``nonzero``), and the statistics stay device tensors; one read at the end checks for non-finite iterates
-            (in a ``torch.compile`` graph a device-side assert does); ``stop_fraction`` and a solver's halting act
-            on the device at the iteration they happen. With ``k > 1`` the convergence test, ``stop_fraction``,
-            halting and compaction run at the checks only, so an entry runs fewer than ``k`` evaluations more than
-            with 1 and converged entries end within the tolerance of the same fixed point. ``compact`` does nothing
-            with 0 (it needs the host to pick the rows).
+            runs ``max_iter`` evaluations with finished entries frozen on the device by masks (Picard's finished
+            samples run on, as with 1; no compaction, no ``nonzero``), and the statistics stay device tensors; one
+            read at the end checks for non-finite iterates (in a ``torch.compile`` graph a device-side assert does);
+            ``stop_fraction`` and a solver's halting act on the device at the iteration they happen. With ``k > 1``
+            the convergence test, ``stop_fraction``, halting and compaction run at the checks only, so an entry runs
+            fewer than ``k`` evaluations more than with 1 and converged entries end within the tolerance of the same
+            fixed point. ``compact`` does nothing with 0 (it needs the host to pick the rows).
         pass_active: call ``f(z, *args, active=mask)`` with ``mask`` the entries still iterating (a bool tensor shaped
             like the working rows' entries, ``(rows, *z0.shape[1:batch_dims])``; None while every entry is open), so
             that ``f`` can skip the work of converged entries: their values in its output are ignored.
@@ -456,18 +456,30 @@ OPTION_NAMES = tuple(f.name for f in fields(SolveOptions))
 _CHECKED = {}  # keyword changes -> validated SolveOptions (a solve per layer and token validates the same keywords)
 
 
+def _options_key(changes: dict) -> Optional[tuple]:
+    """``changes`` as a key of ``_CHECKED``: each value with its type (``1``, ``1.0`` and ``True`` are equal keys of a
+    dict, but not equally valid options), a dict (``solver_kwargs``) as its sorted items; None if a value is not
+    hashable."""
+    try:
+        key = tuple(sorted((name, type(v), tuple(sorted(v.items())) if type(v) is dict else v)
+                           for name, v in changes.items()))
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
 def resolve_options(options: Optional[SolveOptions] = None, check: bool = True, **changes) -> SolveOptions:
     """``options`` (default ``SolveOptions()``) with keyword ``changes``, validated when ``check``."""
     if options is not None:
         opts = options.replace(**changes)
         return opts.check() if check else opts
-    try:
-        key = tuple(sorted(changes.items())) if check else None
-        cached = _CHECKED.get(key)
-    except TypeError:  # an unhashable value (a solver_kwargs dict): not cached
-        key = cached = None
+    key = _options_key(changes) if check else None
+    cached = None if key is None else _CHECKED.get(key)
     if cached is not None:
         return cached
+    if key is not None:  # the cached options keep dicts of their own (the caller may change its dict later)
+        changes = {name: dict(v) if type(v) is dict else v for name, v in changes.items()}
     try:
         opts = SolveOptions(**changes)
     except TypeError:  # an unknown name: the same ValueError as replace() raises
@@ -566,6 +578,8 @@ def solve(f: Callable, z0: torch.Tensor, *, args: Sequence = (), options: Option
         return z0.detach().clone(), FixedPointStats(empty, residual, empty.bool(), 0, opts.solver, opts.tol,
                                                      opts.stop_mode, options=opts)
     loop = _SolveLoop if opts.check_every else _MaskedSolveLoop
+    if not torch.is_grad_enabled():  # (fixed_point's callers and inference mostly): no context to enter
+        return loop(f, z0, tuple(args), opts, row_mask, residual_fn).run()
     with torch.no_grad():
         return loop(f, z0, tuple(args), opts, row_mask, residual_fn).run()
 
@@ -669,8 +683,10 @@ class _SolveLoop:
     def _call_f(self):
         """``f`` of the working rows, ``(rows, d)``."""
         z, wshape = self.z, self.wshape
-        extra = {"active": self._active()} if self.opts.pass_active else {}
-        fz = self.f(z if self.flat else z.view(wshape), *self.wargs, **extra)
+        if self.opts.pass_active:
+            fz = self.f(z if self.flat else z.view(wshape), *self.wargs, active=self._active())
+        else:
+            fz = self.f(z if self.flat else z.view(wshape), *self.wargs)
         if fz.shape != wshape:
             self._raise_shape(fz)
         return fz if self.flat else fz.reshape(z.shape)
@@ -702,9 +718,14 @@ class _SolveLoop:
         z = self.z
         if self.observe is not None or self.trace is not None:
             fz, gz, _ = self._evaluate()
-        else:
+        elif self.needs_gz:
             fz = self._call_f()
-            gz = fz - z if self.needs_gz else None
+            gz = fz - z
+        else:  # plain Picard: the step is f(z)
+            self.z = self._call_f()
+            if self.done is not None and self.freeze:
+                self._freeze()
+            return
         self.z = self.algo.step(z, fz, gz, k)
         self._freeze()
 
@@ -714,8 +735,8 @@ class _SolveLoop:
         r, inf_done = torch.linalg.vector_norm(gz, dim=1), self.inf_done
         if self.opts.stop_mode == "abs":
             return r if inf_done is None else r + inf_done
-        den = torch.linalg.vector_norm(fz, dim=1) + self.eps
-        return r / den if inf_done is None else torch.addcdiv(inf_done, r, den)
+        den = torch.linalg.vector_norm(fz, dim=1).add_(self.eps)  # in place: both norms are new tensors
+        return r.div_(den) if inf_done is None else torch.addcdiv(inf_done, r, den)
 
     def _raise_shape(self, fz):
         raise ValueError(f"f returned shape {tuple(fz.shape)} for an input of shape {tuple(self.wshape)}; "
@@ -878,8 +899,8 @@ class _SolveLoop:
         conv = None if done is None else self._converged()
         if done is None:
             out, out_res = src, src_res
-            nstep = torch.full(res.shape, k, dtype=torch.long, device=res.device)
-            conv = torch.zeros(res.shape, dtype=torch.bool, device=res.device)
+            nstep = torch.full_like(res, k, dtype=torch.long)  # (the *_like factories cost less here)
+            conv = torch.zeros_like(res, dtype=torch.bool)
         elif not self.all_done:
             out = torch.where(done[:, None], out, src)
             out_res = torch.where(done, out_res, src_res)
@@ -952,19 +973,21 @@ class _MaskedSolveLoop(_SolveLoop):
         opts, open_ = self.opts, self.open
         if self.tol_t is None:
             self.tol_t = torch.full((), opts.tol, dtype=res.dtype, device=res.device)
-        conv_now = res < self.tol_t if k >= opts.min_iter else None
         if open_ is None:  # the first evaluation: every entry open, its image the best so far
+            newly = res < self.tol_t if k >= opts.min_iter else None
             self.out, self.out_res, self.worst = fz, res, res
             self.nstep = torch.ones_like(res, dtype=torch.long)
-            newly = conv_now
-            open_ = torch.ones_like(res, dtype=torch.bool) if conv_now is None else ~conv_now
+            open_ = torch.ones_like(res, dtype=torch.bool) if newly is None else ~newly
         else:
             self.nstep = self.nstep + open_  # an entry's count grows while it is open
             self.worst = torch.maximum(self.worst, torch.where(open_, res, self.zero_t))
-            newly = None if conv_now is None else conv_now & open_
+            # The closed entries at +inf, so that neither comparison holds for them. (One whose result has an
+            # infinite residual would take the new image: it had that residual while open, and the solve raises.)
+            key = torch.where(open_, res, self.inf_t)
+            newly = key < self.tol_t if k >= opts.min_iter else None
             if opts.return_mode == "best":  # a better image, or the converged one (with min_iter, maybe not better)
-                better = res <= self.out_res
-                update = (better if conv_now is None else better | conv_now) & open_
+                update = key <= self.out_res
+                update = update if newly is None else update | newly
             else:
                 update = newly
             if update is not None:
