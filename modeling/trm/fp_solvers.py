@@ -456,17 +456,15 @@ OPTION_NAMES = tuple(f.name for f in fields(SolveOptions))
 _CHECKED = {}  # keyword changes -> validated SolveOptions (a solve per layer and token validates the same keywords)
 
 
-def _options_key(changes: dict) -> Optional[tuple]:
-    """``changes`` as a key of ``_CHECKED``: each value with its type (``1``, ``1.0`` and ``True`` are equal keys of a
-    dict, but not equally valid options), a dict (``solver_kwargs``) as its sorted items; None if a value is not
-    hashable."""
-    try:
-        key = tuple(sorted((name, type(v), tuple(sorted(v.items())) if type(v) is dict else v)
-                           for name, v in changes.items()))
-        hash(key)
-    except TypeError:
-        return None
-    return key
+def _options_key(changes: dict) -> tuple:
+    """``changes`` as a key of ``_CHECKED``: the items with the types of their values (``1``, ``1.0`` and ``True`` are
+    equal keys of a dict, but not equally valid options), a dict (``solver_kwargs``) as its sorted items. A call site
+    passes its keywords in one order, so they are not sorted."""
+    types = tuple(map(type, changes.values()))
+    items = tuple(changes.items())
+    if dict in types:
+        items = tuple([(name, tuple(sorted(v.items())) if type(v) is dict else v) for name, v in items])
+    return items, types
 
 
 def resolve_options(options: Optional[SolveOptions] = None, check: bool = True, **changes) -> SolveOptions:
@@ -475,7 +473,10 @@ def resolve_options(options: Optional[SolveOptions] = None, check: bool = True, 
         opts = options.replace(**changes)
         return opts.check() if check else opts
     key = _options_key(changes) if check else None
-    cached = None if key is None else _CHECKED.get(key)
+    try:
+        cached = _CHECKED.get(key)
+    except TypeError:  # an unhashable value (a list in solver_kwargs, say): not cached
+        key = cached = None
     if cached is not None:
         return cached
     if key is not None:  # the cached options keep dicts of their own (the caller may change its dict later)
