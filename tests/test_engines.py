@@ -11,8 +11,7 @@ from transformers.dynamic_module_utils import get_class_from_dynamic_module
 from hf_fixedpoint.modeling import FAMILY_EXPORTS
 from tests.helpers import family_tester
 
-LM_FAMILIES = ("attractor_lm", "deq_lm", "ouro", "self_llama", "self_mistral")
-NATIVE = {"attractor_lm", "ouro", "self_llama", "self_mistral"}  # served natively by the package's vLLM plugin
+LM_FAMILIES = ("attractor_lm", "deq_lm", "ouro", "self_llama", "self_mistral")  # each served by the vLLM plugin
 
 
 def lm_class(family):
@@ -44,10 +43,7 @@ def test_export_refuses_generic_engine_backend(family, tmp_path):
             vllm_backend_check(cls)
         message = str(err.value)
         assert cls.__name__ in message and cls._engine_refusal in message
-        if family in NATIVE:
-            assert "`pip install hf-fixedpoint` into vLLM's environment" in message
-        else:
-            assert "does not serve this family" in message and "run the model with transformers" in message
+        assert "`pip install hf-fixedpoint` into vLLM's environment" in message
 
 
 @pytest.mark.parametrize("family", ["ouro", "self_llama"])

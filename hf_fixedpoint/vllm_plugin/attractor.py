@@ -23,12 +23,10 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.rotary_embedding import get_rope
-from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from vllm.model_executor.models.utils import WeightsMapper
 
 from hf_fixedpoint.modeling.attractor_lm.modeling_attractor_lm import AttractorModel as _Reference
 
-from .causal_lm import AttentionProjections, CausalLM, layer_metadata
+from .causal_lm import AttentionProjections, CausalLM, EmbeddedModel, step_tokens
 
 
 class AttractorAttention(AttentionProjections):
@@ -55,7 +53,9 @@ class AttractorAttention(AttentionProjections):
 
 
 class AttractorMLP(nn.Module):
-    """ReLU² MLP."""
+    """ReLU² MLP (``act``: a subclass sets another activation)."""
+
+    act = staticmethod(lambda x: torch.relu(x).square())
 
     def __init__(self, config, quant_config, prefix: str):
         super().__init__()
@@ -66,7 +66,7 @@ class AttractorMLP(nn.Module):
 
     def forward(self, x):
         x, _ = self.up_proj(x)
-        x, _ = self.down_proj(torch.relu(x).square())
+        x, _ = self.down_proj(self.act(x))
         return x
 
 
@@ -97,7 +97,7 @@ class AttractorDecoderLayer(nn.Module):
         return h + self._gate(self.raw_gamma_mlp, self.mlp(self.post_attention_layernorm(h)))
 
 
-class AttractorModel(nn.Module):
+class AttractorModel(EmbeddedModel):
     """Embedding -> backbone (proposal ``y0``) -> attractor fixed point ``y*`` -> final RMSNorm."""
 
     # The package's solve of the attractor map (fixed_point with the config's fp_* settings and readout_iters), and its
@@ -106,12 +106,9 @@ class AttractorModel(nn.Module):
     inject = _Reference.inject
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
-        super().__init__()
-        config = vllm_config.model_config.hf_config
-        self.config = config
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        config = self.config
         backbone = config.num_backbone_layers
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
-                                                   prefix=f"{prefix}.embed_tokens")
         # Cache slots: layer i of the backbone is slot i, layer i of the attractor slot backbone + i (a name with that
         # one index), the layout of transformers' cache.
         self.backbone = nn.ModuleList(
@@ -126,9 +123,6 @@ class AttractorModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.train(False)  # the solve's eval-mode settings (fp_eval_max_iter), as transformers serves the model
 
-    def embed_input_ids(self, input_ids):
-        return self.embed_tokens(input_ids)
-
     def attractor_map(self, y, y0, positions, tail):
         """``T_a(y, y0)`` on the ``(1, n, D)`` states of this step's ``n`` tokens; ``tail``: the rows of the
         engine's padding tokens past them (``(N - n, D)``, usually none), which the attention layers take along."""
@@ -138,17 +132,12 @@ class AttractorModel(nn.Module):
             h = layer(positions, h)
         return h[None, :y.shape[1]] - y
 
-    def num_tokens(self, num_rows: int):
-        """This step's tokens (the rows past them pad the batch), or None in a dummy run (no attention metadata)."""
-        metadata = layer_metadata(self.attractor[0].self_attn.attn.layer_name)
-        return None if metadata is None else min(int(metadata.num_actual_tokens), num_rows)
-
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
         h = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         for layer in self.backbone:
             h = layer(positions, h)
         readout = self.config.readout_iters
-        n = self.num_tokens(h.shape[0])
+        n = step_tokens(self.attractor[0].self_attn.attn.layer_name, h.shape[0])
         if readout == 0 or n is None:  # T=0 readout: decode the proposal (a dummy run has nothing to solve)
             return self.norm(h)
         y0, tail = h[None, :n], h[n:]
@@ -160,9 +149,6 @@ class AttractorModel(nn.Module):
 class AttractorForCausalLM(CausalLM):
     """vLLM's entry class for ``AttractorForCausalLM`` checkpoints (the package's exports)."""
 
-    hf_to_vllm_mapper = WeightsMapper(orig_to_new_stacked={
-        ".q_proj": (".qkv_proj", "q"), ".k_proj": (".qkv_proj", "k"), ".v_proj": (".qkv_proj", "v")})
-    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
     model_class = AttractorModel
 
 

@@ -9,8 +9,9 @@ them per token (rows are mapped to tokens through the attention metadata's ``que
 The largest allowed ``total_ut_steps`` is the engine's loop count (the config's ``total_ut_steps``, e.g. from
 ``hf_overrides``): the paged KV cache holds one slot per (loop, layer) for that many loops. The front-end learns it
 from ``OuroConfigHook``, which vLLM runs on the engine's config when it is built (in the front-end process).
-``AttractorConfigHook`` and ``SelfFPSAConfigHook`` are the Attractor LM's and SELF's: they refuse, at engine start,
-the settings their native models do not serve (subclasses of vLLM's ``VerifyAndUpdateConfig``, as vLLM's own hooks).
+``AttractorConfigHook`` and ``SolveConfigHook`` are the Attractor LM's and SELF's / DEQ-LM's: they refuse, at engine
+start, the settings their native models do not serve (subclasses of vLLM's ``VerifyAndUpdateConfig``, as vLLM's own
+hooks).
 """
 
 import logging
@@ -19,8 +20,7 @@ import math
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-from .self_fpsa_config import check_engine
-from .settings import check_request, check_stop_fraction
+from .settings import check_engine, check_request, check_stop_fraction
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, whose handlers vLLM configures
 
@@ -57,9 +57,9 @@ class AttractorConfigHook(VerifyAndUpdateConfig):
         check_stop_fraction(vllm_config.model_config.hf_config)
 
 
-class SelfFPSAConfigHook(VerifyAndUpdateConfig):
-    """SELF-LLaMA / SELF-Mistral's config hook: ``self_fpsa_config.check_engine``, and eager execution (the number of
-    solve iterations depends on the data, which neither a CUDA graph nor vLLM's compiled graph can hold)."""
+class SolveConfigHook(VerifyAndUpdateConfig):
+    """SELF-LLaMA / SELF-Mistral's and DEQ-LM's config hook: ``settings.check_engine``, and eager execution (the number
+    of solve iterations depends on the data, which neither a CUDA graph nor vLLM's compiled graph can hold)."""
 
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
@@ -133,4 +133,4 @@ class OuroRequestKnobs(LogitsProcessor):
         return depths, thresholds
 
 
-__all__ = ["AttractorConfigHook", "OuroConfigHook", "OuroRequestKnobs", "SelfFPSAConfigHook", "register_config_hook"]
+__all__ = ["AttractorConfigHook", "OuroConfigHook", "OuroRequestKnobs", "SolveConfigHook", "register_config_hook"]

@@ -20,12 +20,11 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.rotary_embedding import get_rope
-from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.model_executor.models.utils import WeightsMapper
 
 from hf_fixedpoint.modeling.ouro.modeling_ouro import ExitRule
 
-from .causal_lm import AttentionProjections, CausalLM, layer_metadata
+from .causal_lm import AttentionProjections, CausalLM, EmbeddedModel, layer_metadata
 from .knobs import OuroRequestKnobs
 
 
@@ -86,22 +85,16 @@ class OuroDecoderLayer(nn.Module):
         return h + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(h)))
 
 
-class OuroModel(nn.Module):
+class OuroModel(EmbeddedModel):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
-        super().__init__()
-        config = vllm_config.model_config.hf_config
-        self.config = config
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
-                                                   prefix=f"{prefix}.embed_tokens")
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        config = self.config
         self.layers = nn.ModuleList(
             OuroDecoderLayer(config, i, vllm_config.cache_config, vllm_config.quant_config, f"{prefix}.layers.{i}")
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.early_exit_gate = nn.Linear(config.hidden_size, 1)
         self.all_loops = vllm_config.cache_config.enable_prefix_caching
-
-    def embed_input_ids(self, input_ids):
-        return self.embed_tokens(input_ids)
 
     def token_settings(self, num_tokens: int, device):
         """Per token: ``(depth, threshold)`` ``(N,)`` tensors from the requests' settings, or None when every token

@@ -11,7 +11,7 @@ form and temperature as ``modeling/self_llama``; ``fp_max_iter=1`` is the base m
 * The solve treats the whole batch (every request's new tokens) as one sample of ``(1, tokens, heads, head_dim)``
   entries. Every solver keeps its state per entry and freezes an entry once it converges, so a token's result does not
   depend on its batch-mates: the same tokens as transformers' ``generate`` per request (to float rounding).
-  ``fp_stop_fraction`` (a share of the whole batch) is refused at engine start (``self_fpsa_config.check_engine``).
+  ``fp_stop_fraction`` (a share of the whole batch) is refused at engine start (``settings.check_engine``).
 * Where a prompt's tokens are split over steps (chunked prefill, or a prefix-cache hit), the later chunk is solved
   against the converged keys of the earlier one, where transformers solves the prompt at once: the two agree within
   the solver tolerance where the solves converge (``fpsa_decoder_attention``'s cache has the same property), not

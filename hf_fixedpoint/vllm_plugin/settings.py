@@ -1,6 +1,9 @@
 """The per-request Ouro settings a vLLM request may carry in ``SamplingParams.extra_args``, their check, and the
-engine-start checks the solving families share (no vLLM import: the checks are tested without it)."""
+engine-start checks the solving families share (no vLLM import: the checks are tested without it). An export the
+native model would serve differently from transformers is refused when vLLM builds its engine config (before any
+worker starts), with a ``ValueError`` naming the setting and the values allowed; ``knobs``' config hooks call these."""
 
+PLUGIN = "hf-fixedpoint's vLLM plugin"
 KEYS = ("total_ut_steps", "exit_threshold")
 
 
@@ -30,10 +33,20 @@ def check_stop_fraction(config) -> None:
     share of open entries counted over the batch would make a request's tokens depend on its batch-mates."""
     fraction = getattr(config, "fp_stop_fraction", 0.0)
     if fraction:
-        raise ValueError(f"fp_stop_fraction={fraction!r} is not served by hf-fixedpoint's vLLM plugin for "
+        raise ValueError(f"fp_stop_fraction={fraction!r} is not served by {PLUGIN} for "
                          f"{type(config).__name__}: it stops the solve once that fraction of the batch's tokens is "
                          "left, so a request's tokens would depend on the other requests of the batch. Allowed "
                          "values: 0.0 (start vLLM with hf_overrides={'fp_stop_fraction': 0.0}).")
 
 
-__all__ = ["KEYS", "check_request", "check_stop_fraction"]
+def check_engine(hf_config, tensor_parallel_size: int) -> None:
+    """Refuse what a per-token solve in vLLM (SELF's FPSA, DEQ-LM's block) cannot run as transformers does."""
+    if tensor_parallel_size != 1:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} is not served by {PLUGIN} for "
+                         f"{type(hf_config).__name__}: each rank would judge the fixed-point solve's convergence "
+                         "on its own and stop joining the all-reduce of the iterate while the others go on. Allowed "
+                         "values: 1.")
+    check_stop_fraction(hf_config)
+
+
+__all__ = ["KEYS", "PLUGIN", "check_engine", "check_request", "check_stop_fraction"]

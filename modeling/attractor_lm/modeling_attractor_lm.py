@@ -188,7 +188,6 @@ class AttractorPreTrainedModel(EngineGuardMixin, PreTrainedModel):
     _engine_refusal = ("its attractor layers iterate each new token to a fixed point against the cached keys and "
                        "values of the earlier tokens and write the new token's keys once, at the fixed point; such a"
                        " backend calls each attention module once per token and writes its paged cache at every call")
-    _engine_native = True  # served by the package's vLLM plugin (hf_fixedpoint/vllm_plugin/attractor.py)
     config_class = AttractorConfig
     base_model_prefix = "model"
     _no_split_modules = ["AttractorDecoderLayer"]

@@ -98,8 +98,9 @@ class DEQLMBlock(nn.Module):
 
 class DEQLMPreTrainedModel(EngineGuardMixin, PreTrainedModel):
     # Why vLLM's generic Transformers backend cannot run it (fp_engines): refused with this reason.
-    _engine_refusal = ("it keeps no KV cache: every step solves one weight-tied block to its fixed point over the "
-                       "whole prefix, which a backend built on a paged KV cache cannot express")
+    _engine_refusal = ("every step solves one weight-tied block to its fixed point, its attention iterated over the "
+                       "new tokens; such a backend calls each attention module once per token and writes its paged "
+                       "cache at every call")
     config_class = DEQLMConfig
     base_model_prefix = "model"
     _no_split_modules = ["DEQLMBlock"]

@@ -374,7 +374,6 @@ class OuroPreTrainedModel(EngineGuardMixin, PreTrainedModel):
                        " (loop, layer), where such a backend keeps one per attention module: the loops would "
                        "overwrite each other's keys and values and the tokens would be wrong from the third "
                        "generated one")
-    _engine_native = True  # served natively by hf-fixedpoint's vLLM plugin
     config_class = OuroConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True

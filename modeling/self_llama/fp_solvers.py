@@ -393,13 +393,13 @@ class SolveOptions:
         track_trace: keep the residual of every iteration in ``stats.trace``.
         check_every: how often the host reads the convergence state: every ``k`` iterations (1, the default: every
             iteration, the solve stops at the first iteration where it may); ``0``: never inside the loop, which then
-            runs ``max_iter`` evaluations with finished entries frozen on the device by masks (no compaction, no
-            ``nonzero``), and the statistics stay device tensors; one read at the end checks for non-finite iterates
-            (in a ``torch.compile`` graph a device-side assert does); ``stop_fraction`` and a solver's halting act
-            on the device at the iteration they happen. With ``k > 1`` the convergence test, ``stop_fraction``,
-            halting and compaction run at the checks only, so an entry runs fewer than ``k`` evaluations more than
-            with 1 and converged entries end within the tolerance of the same fixed point. ``compact`` does nothing
-            with 0 (it needs the host to pick the rows).
+            runs ``max_iter`` evaluations with finished entries frozen on the device by masks (Picard's finished
+            samples run on, as with 1; no compaction, no ``nonzero``), and the statistics stay device tensors; one
+            read at the end checks for non-finite iterates (in a ``torch.compile`` graph a device-side assert does);
+            ``stop_fraction`` and a solver's halting act on the device at the iteration they happen. With ``k > 1``
+            the convergence test, ``stop_fraction``, halting and compaction run at the checks only, so an entry runs
+            fewer than ``k`` evaluations more than with 1 and converged entries end within the tolerance of the same
+            fixed point. ``compact`` does nothing with 0 (it needs the host to pick the rows).
         pass_active: call ``f(z, *args, active=mask)`` with ``mask`` the entries still iterating (a bool tensor shaped
             like the working rows' entries, ``(rows, *z0.shape[1:batch_dims])``; None while every entry is open), so
             that ``f`` can skip the work of converged entries: their values in its output are ignored.
@@ -456,18 +456,31 @@ OPTION_NAMES = tuple(f.name for f in fields(SolveOptions))
 _CHECKED = {}  # keyword changes -> validated SolveOptions (a solve per layer and token validates the same keywords)
 
 
+def _options_key(changes: dict) -> tuple:
+    """``changes`` as a key of ``_CHECKED``: the items with the types of their values (``1``, ``1.0`` and ``True`` are
+    equal keys of a dict, but not equally valid options), a dict (``solver_kwargs``) as its sorted items. A call site
+    passes its keywords in one order, so they are not sorted."""
+    types = tuple(map(type, changes.values()))
+    items = tuple(changes.items())
+    if dict in types:
+        items = tuple([(name, tuple(sorted(v.items())) if type(v) is dict else v) for name, v in items])
+    return items, types
+
+
 def resolve_options(options: Optional[SolveOptions] = None, check: bool = True, **changes) -> SolveOptions:
     """``options`` (default ``SolveOptions()``) with keyword ``changes``, validated when ``check``."""
     if options is not None:
         opts = options.replace(**changes)
         return opts.check() if check else opts
+    key = _options_key(changes) if check else None
     try:
-        key = tuple(sorted(changes.items())) if check else None
         cached = _CHECKED.get(key)
-    except TypeError:  # an unhashable value (a solver_kwargs dict): not cached
+    except TypeError:  # an unhashable value (a list in solver_kwargs, say): not cached
         key = cached = None
     if cached is not None:
         return cached
+    if key is not None:  # the cached options keep dicts of their own (the caller may change its dict later)
+        changes = {name: dict(v) if type(v) is dict else v for name, v in changes.items()}
     try:
         opts = SolveOptions(**changes)
     except TypeError:  # an unknown name: the same ValueError as replace() raises
@@ -566,6 +579,8 @@ def solve(f: Callable, z0: torch.Tensor, *, args: Sequence = (), options: Option
         return z0.detach().clone(), FixedPointStats(empty, residual, empty.bool(), 0, opts.solver, opts.tol,
                                                      opts.stop_mode, options=opts)
     loop = _SolveLoop if opts.check_every else _MaskedSolveLoop
+    if not torch.is_grad_enabled():  # (fixed_point's callers and inference mostly): no context to enter
+        return loop(f, z0, tuple(args), opts, row_mask, residual_fn).run()
     with torch.no_grad():
         return loop(f, z0, tuple(args), opts, row_mask, residual_fn).run()
 
@@ -662,11 +677,17 @@ class _SolveLoop:
         """``f``'s ``active=`` with ``pass_active``: the open entries, None while every entry is open."""
         return None if self.done is None else (~self.done).view(self.wshape[:self.opts.batch_dims])
 
+    def _closed(self):
+        """The working rows that converged or were halted; None while every row is open."""
+        return self.done
+
     def _call_f(self):
         """``f`` of the working rows, ``(rows, d)``."""
         z, wshape = self.z, self.wshape
-        extra = {"active": self._active()} if self.opts.pass_active else {}
-        fz = self.f(z if self.flat else z.view(wshape), *self.wargs, **extra)
+        if self.opts.pass_active:
+            fz = self.f(z if self.flat else z.view(wshape), *self.wargs, active=self._active())
+        else:
+            fz = self.f(z if self.flat else z.view(wshape), *self.wargs)
         if fz.shape != wshape:
             self._raise_shape(fz)
         return fz if self.flat else fz.reshape(z.shape)
@@ -688,7 +709,7 @@ class _SolveLoop:
         if self.trace is not None:
             row = z.new_full((self.G,), math.nan, dtype=res.dtype)
             row[slice(None) if self.gidx is None else self.gidx] = (
-                res if self.done is None else res.masked_fill(self.done, math.nan))
+                res if self._closed() is None else res.masked_fill(self._closed(), math.nan))
             self.trace.append(row)
         return fz, gz, res
 
@@ -698,9 +719,14 @@ class _SolveLoop:
         z = self.z
         if self.observe is not None or self.trace is not None:
             fz, gz, _ = self._evaluate()
-        else:
+        elif self.needs_gz:
             fz = self._call_f()
-            gz = fz - z if self.needs_gz else None
+            gz = fz - z
+        else:  # plain Picard: the step is f(z)
+            self.z = self._call_f()
+            if self.done is not None and self.freeze:
+                self._freeze()
+            return
         self.z = self.algo.step(z, fz, gz, k)
         self._freeze()
 
@@ -710,8 +736,8 @@ class _SolveLoop:
         r, inf_done = torch.linalg.vector_norm(gz, dim=1), self.inf_done
         if self.opts.stop_mode == "abs":
             return r if inf_done is None else r + inf_done
-        den = torch.linalg.vector_norm(fz, dim=1) + self.eps
-        return r / den if inf_done is None else torch.addcdiv(inf_done, r, den)
+        den = torch.linalg.vector_norm(fz, dim=1).add_(self.eps)  # in place: both norms are new tensors
+        return r.div_(den) if inf_done is None else torch.addcdiv(inf_done, r, den)
 
     def _raise_shape(self, fz):
         raise ValueError(f"f returned shape {tuple(fz.shape)} for an input of shape {tuple(self.wshape)}; "
@@ -874,8 +900,8 @@ class _SolveLoop:
         conv = None if done is None else self._converged()
         if done is None:
             out, out_res = src, src_res
-            nstep = torch.full(res.shape, k, dtype=torch.long, device=res.device)
-            conv = torch.zeros(res.shape, dtype=torch.bool, device=res.device)
+            nstep = torch.full_like(res, k, dtype=torch.long)  # (the *_like factories cost less here)
+            conv = torch.zeros_like(res, dtype=torch.bool)
         elif not self.all_done:
             out = torch.where(done[:, None], out, src)
             out_res = torch.where(done, out_res, src_res)
@@ -884,6 +910,11 @@ class _SolveLoop:
             parts = self.results + [(self.gidx, out, out_res, nstep, conv)]
             order = torch.argsort(torch.cat([p[0] for p in parts]))
             out, out_res, nstep, conv = (torch.cat([p[i] for p in parts]).index_select(0, order) for i in range(1, 5))
+        return self._stats(k, out, out_res, nstep, conv)
+
+    def _stats(self, k, out, out_res, nstep, conv):
+        """``(z_star, stats)`` from the per-entry results (``(entries, ...)``)."""
+        opts = self.opts
         entry_shape = self.shape[:opts.batch_dims]
         if opts.batch_dims > 1:  # a view costs about as much as a small op: only where the shape changes
             nstep, out_res, conv = (t.view(entry_shape) for t in (nstep, out_res, conv))
@@ -905,63 +936,83 @@ class _MaskedSolveLoop(_SolveLoop):
     """The loop of ``check_every=0``: no host read until the loop has run ``max_iter`` evaluations.
 
     After every evaluation the convergence state is settled on the device by masks: entries below the tolerance (or
-    halted by the solver, or stopped by ``stop_fraction``) are recorded and frozen, the best iterate is updated, and
-    the largest residual each open entry had is kept, so a NaN or Inf shows in the one read after the loop.
+    halted by the solver, or stopped by ``stop_fraction``) are closed and frozen (as in the default loop, Picard's
+    finished samples run on instead), and the largest residual each open entry had is kept, so a NaN or Inf shows in
+    the one read after the loop. ``out`` holds one image per entry: its result once it is closed, the best (lowest
+    residual) image so far while it is open (``return_mode="best"``), so one ``where`` per step keeps both.
     """
 
     def __init__(self, *args):
         super().__init__(*args)
-        G, dev = self.G, self.z.device
-        self.done = torch.zeros(G, dtype=torch.bool, device=dev)
-        self.conv = torch.zeros_like(self.done)
-        self.nstep = torch.zeros(G, dtype=torch.long, device=dev)
+        self.open = None  # the entries still iterating (None until the first evaluation: all of them)
         self.worst = None  # per entry, the largest residual while open (NaN / Inf propagate)
+        # Entries that can close without converging (a halting solver, stop_fraction) need conv of their own;
+        # otherwise the converged entries are the closed ones.
+        self.stops = self.halts or self.opts.stop_fraction > 0
 
     def run(self):
-        max_iter, k = self.opts.max_iter, 0
+        max_iter, algo, evaluate, settle = self.opts.max_iter, self.algo, self._evaluate, self._settle_masked
+        k = 0
         for k in range(1, max_iter + 1):
-            fz, gz, res = self._evaluate()
-            self._settle_masked(k, fz, res)
+            fz, gz, res = evaluate()
+            settle(k, fz, res)
             if k == max_iter:
                 break
-            self.z = torch.where(self.frozen, self.out, self.algo.step(self.z, fz, gz, k))
+            z = algo.step(self.z, fz, gz, k)
+            self.z = torch.where(self.open[:, None], z, self.out) if self.freeze else z
         self._check(k)
         return self._result(k, fz, res)
 
+    def _active(self):
+        return None if self.open is None else self.open.view(self.wshape[:self.opts.batch_dims])
+
+    def _closed(self):
+        return None if self.open is None else ~self.open
+
     def _settle_masked(self, k, fz, res):
-        """Device ops only: record and freeze the entries that finish at step ``k``, update the best iterate."""
-        opts, done = self.opts, self.done
+        """Device ops only: update ``out`` with the image of step ``k``, close the entries that finish at it."""
+        opts, open_ = self.opts, self.open
         if self.tol_t is None:
             self.tol_t = torch.full((), opts.tol, dtype=res.dtype, device=res.device)
-        worst = torch.where(done, self.zero_t, res)
-        self.worst = worst if self.worst is None else torch.maximum(self.worst, worst)
-        if opts.return_mode == "best":
-            if self.best is None:
-                self.best, self.best_res = fz, res
+        if open_ is None:  # the first evaluation: every entry open, its image the best so far
+            newly = res < self.tol_t if k >= opts.min_iter else None
+            self.out, self.out_res, self.worst = fz, res, res
+            self.nstep = torch.ones_like(res, dtype=torch.long)
+            open_ = torch.ones_like(res, dtype=torch.bool) if newly is None else ~newly
+        else:
+            self.nstep = self.nstep + open_  # an entry's count grows while it is open
+            self.worst = torch.maximum(self.worst, torch.where(open_, res, self.zero_t))
+            # The closed entries at +inf, so that neither comparison holds for them. (One whose result has an
+            # infinite residual would take the new image: it had that residual while open, and the solve raises.)
+            key = torch.where(open_, res, self.inf_t)
+            newly = key < self.tol_t if k >= opts.min_iter else None
+            if opts.return_mode == "best":  # a better image, or the converged one (with min_iter, maybe not better)
+                update = key <= self.out_res
+                update = update if newly is None else update | newly
             else:
-                self._update_best(res <= self.best_res, fz, res)
-        newly = (res < self.tol_t) & ~done if k >= opts.min_iter else None
-        if self.out is None:
-            self.out, self.out_res = fz, res
-        elif newly is not None:
-            self.out = torch.where(newly[:, None], fz, self.out)
-            self.out_res = torch.where(newly, res, self.out_res)
-        if newly is not None:
-            self.nstep = self.nstep.masked_fill(newly, k)
-            self.conv = self.conv | newly
-            done = done | newly
+                update = newly
+            if update is not None:
+                self.out = torch.where(update[:, None], fz, self.out)
+                self.out_res = torch.where(update, res, self.out_res)
+            if newly is not None:
+                open_ = open_ ^ newly
+        if self.stops:
+            self.conv = newly if self.conv is None else (self.conv if newly is None else self.conv | newly)
+            open_ = self._stop(fz, res, open_)
+        self.open = open_
+
+    def _stop(self, fz, res, open_):
+        """Close the entries the solver halted, or every open entry once ``stop_fraction`` is reached; they return the
+        best (or last) image."""
         stop = self.algo.halted() if self.halts else None
-        if opts.stop_fraction > 0:
-            few = (~done).sum() <= opts.stop_fraction * self.G
+        if self.opts.stop_fraction > 0:
+            few = open_.sum() <= self.opts.stop_fraction * self.G
             stop = few if stop is None else stop | few
-        if stop is not None:  # halted entries return the best (or last) iterate's image
-            newly_stopped = stop & ~done
-            src, src_res = (self.best, self.best_res) if opts.return_mode == "best" else (fz, res)
-            self.out = torch.where(newly_stopped[:, None], src, self.out)
-            self.out_res = torch.where(newly_stopped, src_res, self.out_res)
-            self.nstep = self.nstep.masked_fill(newly_stopped, k)
-            done = done | newly_stopped
-        self.done, self.frozen = done, done[:, None]
+        stopped = stop & open_
+        if self.opts.return_mode == "last":
+            self.out = torch.where(stopped[:, None], fz, self.out)
+            self.out_res = torch.where(stopped, res, self.out_res)
+        return open_ ^ stopped
 
     def _check(self, k):
         """The one host read, after the loop: a non-finite residual of an open entry raises. Inside a
@@ -977,6 +1028,13 @@ class _MaskedSolveLoop(_SolveLoop):
             _DEFERRED.checks.append((finite, fail))
         elif not finite.item():
             fail()
+
+    def _result(self, k, fz, res):
+        out, out_res, open_ = self.out, self.out_res, self.open
+        if self.opts.return_mode == "last":  # the open entries return the last image ("best": out holds the best)
+            out = torch.where(open_[:, None], fz, out)
+            out_res = torch.where(open_, res, out_res)
+        return self._stats(k, out, out_res, self.nstep, self.conv if self.stops else ~open_)
 
 
 def _raise_nonfinite(solver: str, worst: torch.Tensor, inf_t: torch.Tensor, gps: int, B: int, k: int):

@@ -10,10 +10,11 @@ per token: a looped model (one module applied once per loop) overwrites its own 
 (one module solved by iteration) breaks the engine. Transformers itself never asks the question, so answering it with
 an error changes nothing for transformers' own attention handling (``attn_implementation="sdpa"`` / ``"eager"``).
 
-``EngineGuardMixin`` answers it with an ``UnsupportedBackendError`` naming the family, why, and what to do instead.
+``EngineGuardMixin`` answers it with an ``UnsupportedBackendError`` naming the family, why, and how to install the
+package's vLLM plugin, which serves the family natively.
 """
 
-# The package whose vLLM plugin serves (or explains) the families natively.
+# The package whose vLLM plugin serves the families natively.
 PACKAGE = "hf-fixedpoint"
 PLUGIN_HINT = (f"Serve it with {PACKAGE}'s vLLM plugin: `pip install {PACKAGE}` into vLLM's environment (vLLM loads "
                "the plugin by itself through its `vllm.general_plugins` entry point), then start vLLM again")
@@ -26,25 +27,17 @@ class UnsupportedBackendError(ValueError):
 class EngineGuardMixin:
     """Mixed into a family's ``PreTrainedModel``: ``is_backend_compatible()`` raises ``UnsupportedBackendError``.
 
-    A family sets ``_engine_refusal`` to the reason a generic backend cannot run it, and ``_engine_native`` to whether
-    the package's vLLM plugin serves it natively (the message then says how to install it; otherwise it says to run
-    the model with transformers).
+    A family sets ``_engine_refusal`` to the reason a generic backend cannot run it; the message adds how to install
+    the package's vLLM plugin, which serves every family that mixes this in natively.
     """
 
     _engine_refusal = "it is not a standard transformer"
-    _engine_native = False
 
     @classmethod
     def is_backend_compatible(cls):
-        if cls._engine_native:
-            remedy = f"{PLUGIN_HINT}."
-        else:
-            remedy = (f"{PACKAGE}'s vLLM plugin does not serve this family either (installed with `pip install "
-                      f"{PACKAGE}`, it refuses it with the reason); run the model with transformers "
-                      "(`AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)`).")
         raise UnsupportedBackendError(
             f"{cls.__name__} ({PACKAGE}) cannot run on a generic Transformers backend of an inference engine (such as "
-            f"vLLM's TransformersForCausalLM): {cls._engine_refusal}. {remedy}")
+            f"vLLM's TransformersForCausalLM): {cls._engine_refusal}. {PLUGIN_HINT}.")
 
 
 __all__ = ["PACKAGE", "PLUGIN_HINT", "EngineGuardMixin", "UnsupportedBackendError"]

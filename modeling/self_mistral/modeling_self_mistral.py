@@ -137,7 +137,6 @@ class SelfMistralPreTrainedModel(EngineGuardMixin, MistralPreTrainedModel):
                        "token on changing rows, and decoding attends to the converged keys of the earlier tokens; "
                        "such a backend calls each attention module once per token against its paged cache (it fails "
                        "at engine start)")
-    _engine_native = True  # hf-fixedpoint's vLLM plugin serves it (vllm_plugin/self_fpsa.py)
     config_class = SelfMistralConfig
     _no_split_modules = ["SelfMistralDecoderLayer"]
     # The FPSA loop calls the attention function many times with changing batch rows and has data-dependent stops:

@@ -1,4 +1,4 @@
-"""Self-speculative decoding benchmark: a smoke run of the Attractor LM mode on a tiny model saved like the recipe's."""
+"""Self-speculative decoding benchmark: a smoke run of the Attractor LM mode on a tiny recipe-built model."""
 
 import json
 from pathlib import Path
@@ -10,7 +10,7 @@ from recipes.attractor_lm import Args, build_data, build_model
 
 
 def _save_tiny_attractor(tmp_path):
-    """A tiny random Attractor LM and the recipe's BPE tokenizer (trained on any local text), saved as the recipe does."""
+    """A tiny random Attractor LM and the recipe's BPE tokenizer (trained on any local text), saved as it does."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(Path(json.__file__).read_text() * 3)
     args = Args(corpus=str(corpus), vocab_size=300, hidden_size=32, num_attention_heads=2, seq_length=64,

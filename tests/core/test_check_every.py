@@ -115,6 +115,37 @@ def test_stop_fraction_and_solver_halting_act_on_the_device():
     assert not stats.converged.all()
 
 
+@pytest.mark.parametrize("solver", ["picard", "picard_adaptive"])
+@pytest.mark.parametrize("return_mode", ["best", "last"])
+@pytest.mark.parametrize("min_iter", [0, 6])
+def test_return_modes_and_min_iter_match_the_default_path(solver, return_mode, min_iter):
+    # Rows that converge at different steps and rows that never do (their best image is not their last). Row 0 is a
+    # constant map, at its fixed point from step 2, moved by 1e-11 at step 5: with min_iter=6 it converges at 6 with
+    # a larger residual than its best (0), and returns the image it converged with. check_every=0 keeps one image
+    # per entry for all of these.
+    _, W, x = tanh_problem(B=8, D=8, norm=0.9)
+    scale = torch.tensor([0.0, 0.5, 0.9, 1.0, -1.6, 1.2, 0.3, -2.0], dtype=torch.float64)[:, None]
+
+    def f(z, x):
+        f.calls += 1
+        out = torch.tanh(scale * (z @ W.T) + x)
+        if f.calls == 5:
+            out[0] = out[0] * (1 + 1e-11)
+        return out
+
+    z0 = torch.zeros(8, 8, dtype=torch.float64)
+    kw = dict(args=(x.detach(),), solver=solver, tol=1e-9, max_iter=30, return_mode=return_mode, min_iter=min_iter)
+    f.calls = 0
+    ref_z, ref = solve(f, z0, **kw)
+    f.calls = 0
+    z, stats = solve(f, z0, **kw, check_every=0)
+    assert 0 < int(ref.converged.sum()) < 8 and int(ref.nstep[0]) == max(min_iter, 2)
+    assert torch.equal(stats.nstep, ref.nstep) and torch.equal(stats.converged, ref.converged)
+    assert torch.equal(z, ref_z) and torch.equal(stats.residual, ref.residual)
+    if min_iter:
+        assert float(stats.residual[0]) > 0
+
+
 def test_check_every_is_validated():
     with pytest.raises(ValueError, match=r"check_every=-1 is out of range; allowed values lie in \[0, inf\)"):
         solve(lambda z: z, torch.zeros(2, 2), check_every=-1)

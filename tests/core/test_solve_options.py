@@ -25,6 +25,22 @@ def test_options_object_and_keywords_give_the_same_solve():
     assert s3.options == dataclasses.replace(opts, tol=1e-4) and s3.nfe < s1.nfe
 
 
+def test_cached_keyword_options_are_validated_by_type_and_keep_their_own_dict():
+    # Keyword options are validated once and cached; 10.0 equals 10 as a dict key but is not a valid max_iter, and a
+    # solver_kwargs dict changed by its owner after the call does not change the options cached from it.
+    f, _, x = tanh_problem(B=2, D=4)
+    z0 = torch.zeros(2, 4, dtype=torch.float64)
+    solve(f, z0, args=(x.detach(),), max_iter=10)
+    with pytest.raises(ValueError, match="max_iter must be an integer, got 10.0"):
+        solve(f, z0, args=(x.detach(),), max_iter=10.0)
+    kwargs = {"m": 3}
+    _, first = solve(f, z0, args=(x.detach(),), solver_kwargs=kwargs)
+    kwargs["m"] = 2
+    _, again = solve(f, z0, args=(x.detach(),), solver_kwargs={"m": 3})
+    assert first.options.solver_kwargs == again.options.solver_kwargs == {"m": 3}
+    assert solve(f, z0, args=(x.detach(),), solver_kwargs=kwargs)[1].options.solver_kwargs == {"m": 2}
+
+
 def test_unknown_option_is_a_value_error_listing_the_options():
     f, _, x = tanh_problem(B=2, D=4)
     with pytest.raises(ValueError, match=r"unknown keys \['tolerance'\].*'tol'"):
@@ -86,9 +102,9 @@ def _reference(f, z0, tol, max_iter, return_mode):
     return torch.cat(zs), torch.tensor(rs, dtype=torch.float64), torch.tensor(ns)
 
 
-@pytest.mark.parametrize("compact", [False, True])
+@pytest.mark.parametrize("compact,every", [(False, 1), (True, 1), (False, 0)])
 @pytest.mark.parametrize("return_mode", ["best", "last"])
-def test_bookkeeping_matches_a_per_row_reference_float64(compact, return_mode):
+def test_bookkeeping_matches_a_per_row_reference_float64(compact, every, return_mode):
     # Row 0 converges fast, row 1 slowly, row 2 oscillates (residual goes up and down: the best-iterate tracking
     # switches to updating every step), row 3 never converges within the cap.
     g = torch.Generator().manual_seed(0)
@@ -109,7 +125,7 @@ def test_bookkeeping_matches_a_per_row_reference_float64(compact, return_mode):
     tol, max_iter = 1e-8, 40
     z_ref, r_ref, n_ref = _reference(f_row, torch.zeros(4, D, dtype=torch.float64), tol, max_iter, return_mode)
     z, st = solve(f_batch, torch.zeros(4, D, dtype=torch.float64), args=(scale, x), solver="picard", tol=tol,
-                  max_iter=max_iter, return_mode=return_mode, compact=compact, track_trace=True)
+                  max_iter=max_iter, return_mode=return_mode, compact=compact, track_trace=True, check_every=every)
     trace = st.trace[:, 2]
     steps = trace[~torch.isnan(trace)]
     assert (steps[1:] > steps[:-1]).any(), "row 2 should have a residual that goes up"

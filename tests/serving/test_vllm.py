@@ -4,8 +4,7 @@ these; the default suite skips them).
 * Ouro through the plugin gives transformers' greedy tokens: at the config's loop count, at another one set with
   ``hf_overrides``, and per request (``extra_args``: depths 1..3 and exit thresholds mixed in one batch);
 * bad per-request values are refused with the key and the allowed values;
-* the other causal-LM families are refused with their reason, and Ouro too when the plugin is off (no silent fallback
-  to vLLM's Transformers backend).
+* Ouro is refused when the plugin is off (no silent fallback to vLLM's Transformers backend).
 
 All vLLM runs happen in two child processes (``vllm_runs``); the tests compare their reports with transformers.
 """
@@ -20,7 +19,6 @@ import torch
 
 pytest.importorskip("vllm")
 
-from hf_fixedpoint import modeling  # noqa: E402
 from hf_fixedpoint.modeling import OuroConfig, OuroForCausalLM  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [20, 3]]
@@ -31,21 +29,6 @@ MIXED = [{"total_ut_steps": 1}, {"total_ut_steps": 2}, {}, {"total_ut_steps": 2,
          {"exit_threshold": 0.5}, {"exit_threshold": None}]
 BAD = [({"total_ut_steps": 0}, "total_ut_steps"), ({"total_ut_steps": LOOPS + 1}, "total_ut_steps"),
        ({"total_ut_steps": "2"}, "total_ut_steps"), ({"exit_threshold": 1.5}, "exit_threshold")]
-# family -> (config class, causal-LM class, its own config keys, a phrase of its refusal); head dim 64 each
-REFUSED = {
-    "deq_lm": ("DEQLMConfig", "DEQLMForCausalLM", {}, "keeps no KV cache"),
-}
-SHAPE = {"vocab_size": 256, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2,
-         "max_position_embeddings": 256}
-
-
-def export(family, path):
-    config_name, model_name, own, _ = REFUSED[family]
-    kv = {} if family == "deq_lm" else {"num_key_value_heads": 2}
-    config = getattr(modeling, config_name)(**SHAPE, **kv, **own)
-    getattr(modeling, model_name)(config).save_pretrained(path)
-
-
 def ouro_export(path):
     """A tiny Ouro with head dim 64 (vLLM's CPU attention takes 32, 64, 80, ...), random weights of some size."""
     torch.manual_seed(0)
@@ -73,15 +56,12 @@ def run_children(specs, tmp, env=None):
 def served(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("served")
     ouro_export(tmp / "ouro")
-    for family in REFUSED:
-        export(family, tmp / family)
     batches = [{"prompts": PROMPTS, "extra_args": [{}] * 3},
                {"prompts": [PROMPTS[i % 3] for i in range(len(MIXED))], "extra_args": MIXED}]
     batches += [{"prompts": PROMPTS[:1], "extra_args": [bad]} for bad, _ in BAD]
     specs = [{"model": str(tmp / "ouro"), "max_tokens": MAX_TOKENS, "batches": batches},
              {"model": str(tmp / "ouro"), "max_tokens": MAX_TOKENS, "batches": batches[:1],
               "llm_kwargs": {"hf_overrides": {"total_ut_steps": DEEPER}}}]
-    specs += [{"model": str(tmp / family), "max_tokens": 2, "batches": []} for family in REFUSED]
     with_plugin = run_children(specs, tmp)
     without = run_children([{"model": str(tmp / "ouro"), "max_tokens": 2, "batches": []}], tmp / "ouro",
                            env={"VLLM_PLUGINS": ""})
@@ -120,13 +100,6 @@ def test_bad_request_settings_are_refused(served):
     _, runs, _ = served
     for (bad, key), batch in zip(BAD, runs[0]["batches"][2:]):
         assert f"extra_args['{key}']=" in batch["error"] and "Allowed values" in batch["error"], bad
-
-
-def test_other_families_are_refused_with_their_reason(served):
-    _, runs, _ = served
-    for (family, (*_, reason)), report in zip(REFUSED.items(), runs[2:]):
-        error = report["start_error"]
-        assert "(hf-fixedpoint) cannot run on a generic Transformers backend" in error and reason in error, family
 
 
 def test_ouro_without_the_plugin_is_refused_not_served(served):

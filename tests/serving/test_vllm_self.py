@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hf_fixedpoint.modeling import SelfLlamaConfig, SelfLlamaForCausalLM, SelfMistralConfig, SelfMistralForCausalLM
-from hf_fixedpoint.vllm_plugin.self_fpsa_config import check_engine
+from hf_fixedpoint.vllm_plugin.settings import check_engine
 
 pytest.importorskip("vllm")
 
