@@ -5,7 +5,9 @@ The wheel ships no tests; the PyPI sdist of the pinned transformers does (``test
 extracts the two files into ``tests/hf_common/_hf/<version>/hf_common_tests/`` (git-ignored; HF's code is not
 committed; one folder per installed transformers release, so the suite of another release is never reused) and
 adds three stub modules for the parts the sdist lacks (the generation and export mixins, whose suites are not in the
-sdist, and the common config kwargs). Needs network access to PyPI on the first run.
+sdist, and the common config kwargs). Needs network access to PyPI on the first run. pip prepares the sdist's metadata
+in an isolated build environment, because the test environment's own setuptools may be too old for it (a fresh venv's
+setuptools 65.5 cannot do it without the ``wheel`` package: the lowest-versions venv).
 """
 
 import subprocess
@@ -41,7 +43,7 @@ def ensure() -> Path:
         version = transformers.__version__
         with tempfile.TemporaryDirectory() as tmp:
             subprocess.run([sys.executable, "-m", "pip", "download", f"transformers=={version}", "--no-binary",
-                            ":all:", "--no-deps", "--no-build-isolation", "-q", "-d", tmp], check=True)
+                            ":all:", "--no-deps", "-q", "-d", tmp], check=True)
             sdist = next(Path(tmp).glob("transformers-*.tar.gz"))
             PACKAGE.mkdir(parents=True, exist_ok=True)
             with tarfile.open(sdist) as tar:
