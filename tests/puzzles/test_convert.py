@@ -326,6 +326,9 @@ def test_fprm_evaluation_follows_the_research_run_float64(version):
     sd["L_level.conv.weight"] = sd["L_level.conv.weight"] * 2.0  # a map where the margin changes decisions (below)
     cfg = research_cfg(version, decay_patience=2, fp_thresh=1e-3, max_iter_eval=15)
     model = convert(compiled(sd), {"arch": cfg}, META).double().eval()
+    # Normal start noise: torch 2.11 and 2.13 draw the research code's truncated normal differently from one seed, and
+    # the premises below (the margin changes decisions) need the same start on every supported torch.
+    model.config.init_noise = "normal"
     ids, pids = batch()
     with torch.no_grad():
         f = fprm_map(sd, embed(sd, ids, pids, 2))
