@@ -456,15 +456,24 @@ OPTION_NAMES = tuple(f.name for f in fields(SolveOptions))
 _CHECKED = {}  # keyword changes -> validated SolveOptions (a solve per layer and token validates the same keywords)
 
 
-def _options_key(changes: dict) -> tuple:
+_PLAIN = (int, float, bool, str, type(None))  # option values whose type and value say all (no inner values)
+
+
+def _options_key(changes: dict) -> Optional[tuple]:
     """``changes`` as a key of ``_CHECKED``: the items with the types of their values (``1``, ``1.0`` and ``True`` are
-    equal keys of a dict, but not equally valid options), a dict (``solver_kwargs``) as its sorted items. A call site
-    passes its keywords in one order, so they are not sorted."""
-    types = tuple(map(type, changes.values()))
-    items = tuple(changes.items())
-    if dict in types:
-        items = tuple([(name, tuple(sorted(v.items())) if type(v) is dict else v) for name, v in items])
-    return items, types
+    equal keys of a dict, but not equally valid options), a dict (``solver_kwargs``) as its sorted items with their
+    types; None (not cached) where a value is neither plain nor such a dict of plain values (a tuple or list may hold
+    values of other types that compare equal). A call site passes its keywords in one order, so they are not sorted."""
+    items = []
+    for name, v in changes.items():
+        if type(v) is dict:
+            if not all(type(x) in _PLAIN and type(k) is str for k, x in v.items()):
+                return None
+            v = tuple(sorted((k, type(x), x) for k, x in v.items()))
+        elif type(v) not in _PLAIN:
+            return None
+        items.append((name, type(v), v))
+    return tuple(items)
 
 
 def resolve_options(options: Optional[SolveOptions] = None, check: bool = True, **changes) -> SolveOptions:
@@ -473,12 +482,10 @@ def resolve_options(options: Optional[SolveOptions] = None, check: bool = True, 
         opts = options.replace(**changes)
         return opts.check() if check else opts
     key = _options_key(changes) if check else None
-    try:
-        cached = _CHECKED.get(key)
-    except TypeError:  # an unhashable value (a list in solver_kwargs, say): not cached
-        key = cached = None
-    if cached is not None:
-        return cached
+    cached = None if key is None else _CHECKED.get(key)
+    if cached is not None:  # its solver_kwargs dict is the caller's to change (stats.options): a copy of its own
+        kwargs = cached.solver_kwargs
+        return replace(cached, solver_kwargs=dict(kwargs)) if kwargs else cached
     if key is not None:  # the cached options keep dicts of their own (the caller may change its dict later)
         changes = {name: dict(v) if type(v) is dict else v for name, v in changes.items()}
     try:

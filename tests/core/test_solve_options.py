@@ -39,6 +39,16 @@ def test_cached_keyword_options_are_validated_by_type_and_keep_their_own_dict():
     _, again = solve(f, z0, args=(x.detach(),), solver_kwargs={"m": 3})
     assert first.options.solver_kwargs == again.options.solver_kwargs == {"m": 3}
     assert solve(f, z0, args=(x.detach(),), solver_kwargs=kwargs)[1].options.solver_kwargs == {"m": 2}
+    # the types inside solver_kwargs count too: 5.0 and True equal 5 and 1 as dict values, but are not patiences
+    for valid, invalid in ((5, 5.0), (1, True)):
+        solve(f, z0, args=(x.detach(),), solver="fpopt", solver_kwargs={"patience": valid})
+        with pytest.raises(ValueError, match="patience must be an integer"):
+            solve(f, z0, args=(x.detach(),), solver="fpopt", solver_kwargs={"patience": invalid})
+    # the options a solve hands out (stats.options) are the caller's: changing them changes no later solve
+    again.options.solver_kwargs["m"] = -7
+    assert solve(f, z0, args=(x.detach(),), solver_kwargs={"m": 3})[1].options.solver_kwargs == {"m": 3}
+    with pytest.raises(ValueError, match="solver_kwargs"):  # keys that are not names: the usual error, not a TypeError
+        solve(f, z0, args=(x.detach(),), solver_kwargs={1: 2, "m": 3})
 
 
 def test_unknown_option_is_a_value_error_listing_the_options():
