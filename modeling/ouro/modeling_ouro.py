@@ -246,11 +246,13 @@ class ExitRule:
 
 def exit_loops(gate_logits, states, threshold=None, tol=None) -> torch.Tensor:
     """``(B, S)`` 0-based exit loop of each token under ``ExitRule`` (the last loop where no rule fires), from the
-    gate logits ``(B, S, T)`` and the ``T`` loop states of a call that ran every loop."""
+    gate logits ``(B, S, T)`` (None where no ``threshold`` reads them) and the ``T`` loop states of a call that ran
+    every loop."""
     loops, rule = len(states), ExitRule(threshold, tol)
     index = torch.full(states[0].shape[:2], loops - 1, dtype=torch.long, device=states[0].device)
     for t in range(loops - 1):
-        fire = rule(gate_logits[..., t : t + 1], states[t - 1] if t else None, states[t])
+        gate = None if gate_logits is None else gate_logits[..., t : t + 1]
+        fire = rule(gate, states[t - 1] if t else None, states[t])
         if fire is not None:
             index = torch.where(fire & (index == loops - 1), torch.full_like(index, t), index)
     return index

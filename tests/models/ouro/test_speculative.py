@@ -170,11 +170,13 @@ def test_static_cache_implementation():
 
 
 @pytest.mark.parametrize("exit_kw", [{"exit_threshold": 0.6}, {"exit_tol": 0.5}, {"exit_at_step": 1},
-                                     {"use_weighted_exit": True}])
+                                     {"use_weighted_exit": True}, {"exit_tol": 0.5, "no_threshold": True}])
 def test_exit_rules_compose_with_the_draft(exit_kw):
     """``exit_mode="select"`` rules decode every verified position as ``forward`` does, from the draft's loops and
-    the verification's together."""
-    model = _model(0.6).double()
+    the verification's together; also the state-change rule alone (no threshold: the exit gate is not computed)."""
+    exit_kw = dict(exit_kw)
+    overrides = {"early_exit_threshold": None} if exit_kw.pop("no_threshold", False) else {}
+    model = _model(0.6, **overrides).double()
     with torch.no_grad():
         model.model.early_exit_gate.weight.mul_(6.0)  # exits at different loops at threshold 0.6
     ids, mask = _batch()
