@@ -36,8 +36,9 @@ unconverged; there a verification of several tokens at once and one-token-at-a-t
 so the tokens are compared with the baseline's and the agreeing prefix reported instead of required.
 
 ``--attractor DIR``: the model and tokenizer the recipe saved, its configured solve as the full depth
-(``readout_iters``, else ``fp_max_iter``), batch 1, ``--self_new_tokens`` tokens for each of ``ATTRACTOR_PROMPTS``,
-``draft_depth=d`` for each ``--draft_depths`` with ``--draft_tokens``; timed and compared as ``--self_llama``.
+(``readout_iters``, else the evaluation cap, as ``generate`` resolves it), batch 1, ``--self_new_tokens`` tokens for
+each of ``ATTRACTOR_PROMPTS``, ``draft_depth=d`` for each ``--draft_depths`` with ``--draft_tokens``; timed and
+compared as ``--self_llama``.
 """
 
 import argparse
@@ -206,7 +207,7 @@ def main_attractor(args):
     tokenizer = AutoTokenizer.from_pretrained(args.attractor)
     model = AttractorForCausalLM.from_pretrained(args.attractor).float().eval()
     config = model.config
-    depth = config.readout_iters or config.fp_max_iter
+    depth = model._full_depth({})  # as generate resolves it: readout_iters, else the evaluation cap
     draft = {"num_assistant_tokens": args.draft_tokens, "num_assistant_tokens_schedule": args.schedule}
     cases = [("full depth", {})] + [(f"draft_depth={d}", {"draft_depth": d, **draft}) for d in args.draft_depths]
     print(f"Attractor LM self-speculative decoding: {args.attractor}, full depth {depth} ({config.fp_solver}, "
