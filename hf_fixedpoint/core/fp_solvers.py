@@ -715,8 +715,9 @@ class _SolveLoop:
             self.observe(res)
         if self.trace is not None:
             row = z.new_full((self.G,), math.nan, dtype=res.dtype)
+            closed = self._closed()
             row[slice(None) if self.gidx is None else self.gidx] = (
-                res if self._closed() is None else res.masked_fill(self._closed(), math.nan))
+                res if closed is None else res.masked_fill(closed, math.nan))
             self.trace.append(row)
         return fz, gz, res
 
@@ -731,8 +732,7 @@ class _SolveLoop:
             gz = fz - z
         else:  # plain Picard: the step is f(z)
             self.z = self._call_f()
-            if self.done is not None and self.freeze:
-                self._freeze()
+            self._freeze()
             return
         self.z = self.algo.step(z, fz, gz, k)
         self._freeze()
