@@ -28,7 +28,7 @@ import copy
 import warnings
 from dataclasses import dataclass
 from functools import partial
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -658,7 +658,7 @@ class OuroModel(OuroPreTrainedModel):
         keys = cache.layers[0].keys.shape[-2] if cache is not None else seq  # attended positions (static: all)
         flops = ran.to(torch.float32) * float(self.loop_flops(keys))
         change = loop_change(states, attention_mask)
-        self._guard_depth(loops, change)
+        self._guard_depth(loops, lambda: change)
         return OuroModelOutput(last_hidden_state=states[-1], **{CACHE_NAME: past_key_values},
                                loop_hidden_states=tuple(states), gate_logits=torch.cat(gates, dim=-1),
                                loop_attention_mask=attention_mask if torch.is_tensor(attention_mask) else None,
@@ -674,11 +674,11 @@ class OuroModel(OuroPreTrainedModel):
                 raise ValueError(f"{name}=True is not supported with exit_mode='skip' (the layers run on the running "
                                  "tokens only); use exit_mode='select'.")
 
-    def _guard_depth(self, loops: int, change) -> None:
+    def _guard_depth(self, loops: int, change: Callable[[], Optional[torch.Tensor]]) -> None:
         """Warn once (``LoopDepthWarning``) when this call runs past the trained loop counts and the batch's mean
-        change per loop (``loop_change``, or a function giving it, called only where the guard applies) grows (the
-        last loop changes the state more than the last trained loop did) or stays above ``config.loop_guard_tol``
-        past the trained depth."""
+        change per loop (``change()``: ``loop_change``, called only where the guard applies) grows (the last loop
+        changes the state more than the last trained loop did) or stays above ``config.loop_guard_tol`` past the
+        trained depth."""
         tol = getattr(self.config, "loop_guard_tol", None)
         trained = getattr(self.config, "trained_loops", None)
         deepest = trained[1] if trained else self.config.total_ut_steps
@@ -686,7 +686,7 @@ class OuroModel(OuroPreTrainedModel):
             return
         if self.training or torch.compiler.is_compiling():
             return
-        change = change() if callable(change) else change
+        change = change()
         if change is None:
             return
         mean = change.mean(0)  # (T - 1,): mean[j] is the change into loop j + 2 (1-based) from loop j + 1
