@@ -59,12 +59,19 @@ ATTRACTOR_PROMPTS = ["ROMEO:\nBut soft, what light", "KING HENRY:\nOnce more unt
 TARGETS = {4: 1.5, 12: 2.5}  # full depth -> tokens/s ratio at batch 1
 
 
-def settings(args):
-    """``(name, generate kwargs)``: the baseline first."""
+def settings(args, loops=None):
+    """``(name, generate kwargs)``: the baseline first; with ``loops``, Ouro's ``draft_max_depth`` settings too
+    (each ``--draft_max_depths`` value ``e`` above a draft depth ``d`` and below ``loops``, at the threshold
+    ``--deep_confidence``)."""
     draft = {"num_assistant_tokens": args.draft_tokens, "num_assistant_tokens_schedule": args.schedule}
     if args.confidence is not None:
         draft["assistant_confidence_threshold"] = args.confidence
-    return [("full depth", {})] + [(f"draft_depth={d}", {"draft_depth": d, **draft}) for d in args.draft_depths]
+    cases = [("full depth", {})] + [(f"draft_depth={d}", {"draft_depth": d, **draft}) for d in args.draft_depths]
+    deep = {**draft, "assistant_confidence_threshold": getattr(args, "deep_confidence", None)}
+    for d in args.draft_depths if loops else ():
+        cases += [(f"draft_depth={d}..{e}", {"draft_depth": d, "draft_max_depth": e, **deep})
+                  for e in args.draft_max_depths if d < e < loops]
+    return cases
 
 
 def call(model, x, loops, new, kwargs, **extra):
@@ -130,6 +137,10 @@ def main(argv=None):
     parser.add_argument("--schedule", default="constant", help="num_assistant_tokens_schedule")
     parser.add_argument("--confidence", type=float, default=None,
                         help="assistant_confidence_threshold (default: transformers' 0.4)")
+    parser.add_argument("--draft_max_depths", type=int, nargs="+", default=[],
+                        help="draft_max_depth settings (Ouro): unsure draft tokens run up to this many loops")
+    parser.add_argument("--deep_confidence", type=float, default=0.9,
+                        help="assistant_confidence_threshold of the draft_max_depth settings")
     parser.add_argument("--new_tokens", type=int, default=None, help="tokens past the end token (default: stop at it)")
     parser.add_argument("--problems", type=int, default=32)
     parser.add_argument("--batch_sizes", type=int, nargs="+", default=[1, 8])
@@ -153,14 +164,14 @@ def main(argv=None):
     tokenizer = char_tokenizer()
     ids, _ = addition_batch(args.problems, 3, torch.Generator().manual_seed(EVAL_SEED), tokenizer)
     prompts, answers = ids[:, :8], ids[:, 8:-1]  # "a+b=" | the answer's 4 digits
-    cases = settings(args)
     print(f"Ouro self-speculative decoding: {args.model_dir}, {args.problems} held-out additions, "
           f"{'up to the end token' if not args.new_tokens else f'{args.new_tokens} new tokens'}; "
-          f"{cases[1:]}; os.getloadavg() = {os.getloadavg()[0]:.2f}")
+          f"{settings(args, max(args.loops))[1:]}; os.getloadavg() = {os.getloadavg()[0]:.2f}")
     print(f"{'loops':>5s} {'batch':>5s} {'setting':<16s} {'exact':>6s} {'accept':>7s} {'tok/round':>9s} "
           f"{'MFLOP/tok':>10s} {'tok/s':>8s} {'speed-up':>8s} {'FLOPs x':>8s}")
     results = {}
     for loops in args.loops:
+        cases = settings(args, loops)
         for batch in args.batch_sizes:
             call(model, prompts[:batch], loops, args.new_tokens, {})  # warm-up
             measured = measure(model, prompts, answers, batch, loops, args.new_tokens, cases, args.repeats)
@@ -173,7 +184,7 @@ def main(argv=None):
                 print(f"{loops:5d} {batch:5d} {name:<16s} {100 * r['exact_match']:6.1f} {accept:>7s} {rounds:>9s} "
                       f"{r['flops'] / 1e6:10.3f} {r['tokens_per_s']:8.1f} {r['speedup']:8.2f} "
                       f"{r['flops_ratio']:8.2f}")
-    verdict(results, cases, args)
+    verdict(results, args)
     return results
 
 
@@ -254,9 +265,10 @@ def time_text_model(model, prompts, cases, new, repeats):
     return best
 
 
-def verdict(results, cases, args):
+def verdict(results, args):
     for loops, target in TARGETS.items():
-        got = [(results[loops, 1, name]["speedup"], name) for name, _ in cases[1:] if (loops, 1, name) in results]
+        got = [(r["speedup"], name) for (k, batch, name), r in results.items()
+               if k == loops and batch == 1 and name != "full depth"]
         if got:
             best, name = max(got)
             print(f"target at {loops} loops, batch 1: >= {target}x tokens/s; best {best:.2f}x ({name}): "

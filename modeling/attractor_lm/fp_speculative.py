@@ -56,11 +56,12 @@ def generate_speculative(model, *args, **kwargs):
     return generate_with(model, speculative_decoding, *args, **kwargs)
 
 
-def rollback(cache, tokens: int) -> None:
-    """Drop the last ``tokens`` positions from every cache layer: dynamic layers are cropped; a sliding-window layer
-    (recording its past, see ``Speculation``) is cropped and cut back to its window, also for ``tokens = 0``; a static
-    layer's length goes back (its stale entries lie past every later query's position, masked, then overwritten)."""
-    for layer in cache.layers:
+def rollback(cache, tokens: int, layers=None) -> None:
+    """Drop the last ``tokens`` positions from every cache layer (or from ``layers``, some of ``cache.layers``):
+    dynamic layers are cropped; a sliding-window layer (recording its past, see ``Speculation``) is cropped and cut
+    back to its window, also for ``tokens = 0``; a static layer's length goes back (its stale entries lie past every
+    later query's position, masked, then overwritten)."""
+    for layer in cache.layers if layers is None else layers:
         if torch.is_tensor(getattr(layer, "cumulative_length", None)):  # static
             if tokens > 0:
                 layer.cumulative_length.sub_(tokens)
@@ -206,28 +207,40 @@ class Speculation:
         the cache then holds the full depth's entries of those ``k + 1`` positions."""
         raise NotImplementedError
 
-    def draft_tokens(self, state, k: int, logits_processor, step):
+    def draft_tokens(self, state, k: int, logits_processor, step, deepen=None):
         """Draft up to ``k`` tokens one position at a time; ``step(token, j)`` runs the draft at position ``j``
-        (``token`` ``(B,)``) and returns its last-layer logits ``(B, V)`` and anything ``verify`` needs. Stops early
-        when an unfinished row's draft probability falls below ``assistant_confidence_threshold``. Returns the
+        (``token`` ``(B,)``) and returns its last-layer logits ``(B, V)`` and anything ``verify`` needs. Where
+        ``deepen(j)`` is given, a position whose draft is unsure (an unfinished row's largest probability below
+        ``assistant_confidence_threshold``) is decided from ``deepen(j)``'s logits (the draft one loop deeper) until
+        it is sure or ``deepen`` returns None; the decision reads the distribution only, never the sampled token, so
+        a sample comes from the distribution of the depth it was drawn at, as the acceptance rule needs. Stops early
+        when an unfinished row's draft token has a probability below ``assistant_confidence_threshold``. Returns the
         tokens ``(B, j)``, their processed scores ``(B, j, V)`` (None for ``j = 0``) and the steps' extras."""
         ids, token = state.ids, state.last
         tokens, scores, extras = [], [], []
         for j in range(k):
             logits, extra = step(token, j)
             score = logits_processor(ids, logits.to(torch.float32))
+            while deepen is not None and self.unsure(score.softmax(-1).amax(-1), state):
+                logits = deepen(j)
+                if logits is None:
+                    break
+                score = logits_processor(ids, logits.to(torch.float32))
             token = state.padded(self.choose(score))  # finished rows go on with padding, as in greedy search
             tokens.append(token)
             scores.append(score)
             extras.append(extra)
             ids = torch.cat([ids, token[:, None]], dim=-1)
             if j + 1 < k and self.confidence:
-                prob = score.softmax(-1).gather(-1, token[:, None])[:, 0]
-                if bool((prob < self.confidence)[state.unfinished].any()):
+                if self.unsure(score.softmax(-1).gather(-1, token[:, None])[:, 0], state):
                     break
         if not tokens:
             return state.ids[:, :0], None, extras
         return torch.stack(tokens, 1), torch.stack(scores, 1), extras
+
+    def unsure(self, prob, state) -> bool:
+        """Whether an unfinished row's probability ``prob`` ``(B,)`` is below ``assistant_confidence_threshold``."""
+        return bool((prob < self.confidence)[state.unfinished].any())
 
     def process(self, state, drafts, logits, logits_processor):
         """Processed scores ``(B, k + 1, V)`` from the full depth's logits ``(B, k + 1, V)`` at ``state.last`` and
@@ -285,6 +298,9 @@ class ForwardSpeculation(Speculation):
                      "logits_to_keep")
 
     def __init__(self, model, generation_config, model_kwargs, draft_depth, full_depth: int, keywords):
+        if model_kwargs.get("draft_max_depth") is not None:
+            raise ValueError(f"draft_max_depth (more depth for unsure draft tokens) is built for Ouro only; decode "
+                             f"{type(model).__name__} with draft_depth alone.")
         super().__init__(model, generation_config, model_kwargs)
         self.depth = self.check_depth(draft_depth, full_depth, keywords[0], "iterations")
         self.draft_kwargs = dict.fromkeys(keywords, draft_depth)
@@ -345,7 +361,7 @@ class SpeculativeGenerationMixin:
 
 
 def speculative_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config, draft_depth=None,
-                         **model_kwargs):
+                         draft_max_depth=None, **model_kwargs):
     """Self-speculative decoding, a ``custom_generate`` callable: ``generate(..., draft_depth=d)``.
 
     Each round drafts up to ``num_assistant_tokens`` tokens at depth ``d`` (the family's ``Speculation``), then
@@ -357,13 +373,16 @@ def speculative_decoding(model, input_ids, logits_processor, stopping_criteria, 
     Draft length: ``num_assistant_tokens`` (default 20); ``num_assistant_tokens_schedule="heuristic"`` (or
     ``"heuristic_transient"``) adapts it within the call (+2 after a fully accepted draft, -1 otherwise); a draft
     also stops early when an unfinished row's draft token has a probability below ``assistant_confidence_threshold``
-    (transformers' default 0.4; 0 or None turns it off).
+    (transformers' default 0.4; 0 or None turns it off). Ouro's ``draft_max_depth=e`` first decides an unsure draft
+    token (its largest probability below that threshold) with more loops, up to ``e``.
 
     With ``return_dict_in_generate=True`` the output also holds ``draft_tokens`` and ``accepted_draft_tokens``
     ``(B,)`` (drafted tokens and those the full depth agreed with, per row) and ``verify_rounds``.
     """
     if input_ids.shape[1] == 0:  # generate(inputs_embeds=...) alone: the drafts and the state need the tokens
         raise ValueError("draft_depth needs the prompt's tokens (input_ids); inputs_embeds alone is not supported.")
+    if draft_max_depth is not None:  # a family's draft setting, read (or refused) by its Speculation
+        model_kwargs["draft_max_depth"] = draft_max_depth
     spec = model._speculation(generation_config, draft_depth, model_kwargs)
     state = SpeculativeState(input_ids, model_kwargs.get("attention_mask"), model_kwargs.get("position_ids"),
                              generation_config, stopping_criteria)

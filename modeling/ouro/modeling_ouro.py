@@ -58,7 +58,7 @@ from .fp_compat import (
 )
 from .fp_engines import EngineGuardMixin
 from .fp_registry import check_choice, check_number, reject_prefixed_keywords
-from .fp_speculative import Speculation, generate_speculative
+from .fp_speculative import Speculation, generate_speculative, rollback
 
 
 @dataclass
@@ -833,7 +833,10 @@ class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
         verified by the remaining loops, the same tokens as full-depth greedy search."""
         if kwargs.get("draft_depth") is not None:
             return generate_speculative(self, *args, **kwargs)
+        if kwargs.get("draft_max_depth") is not None:
+            raise ValueError("draft_max_depth bounds the loops of self-speculative drafts: pass draft_depth too.")
         kwargs.pop("draft_depth", None)
+        kwargs.pop("draft_max_depth", None)
         self._exit_trace = []
         try:
             result = super().generate(*args, **kwargs)
@@ -917,7 +920,15 @@ class _OuroSpeculation(Speculation):
             check_number(self.step, "exit_at_step", low=0, high=self.loops - 1, integer=True)
         self.weighted = bool(model_kwargs.pop("use_weighted_exit", False))
         self.gated = self.threshold is not None or self.weighted  # the rules that read the exit gate
+        max_depth = model_kwargs.pop("draft_max_depth", None)
         super().__init__(model, generation_config, model_kwargs)
+        self.max_depth = self.depth if max_depth is None else max_depth
+        if max_depth is not None:
+            check_number(max_depth, "draft_max_depth", low=self.depth, high=self.loops - 1, integer=True)
+            if max_depth > self.depth and not self.confidence:
+                raise ValueError(f"draft_max_depth={max_depth} runs a draft token's further loops while its "
+                                 "probability is below assistant_confidence_threshold, which is "
+                                 f"{self.confidence!r}: set a threshold in (0, 1], e.g. 0.9.")
         # the prompt's positions before its last token (pending: the first verification runs their loops d+1..K) and
         # the first draft step, taken by the prefill (the prompt's last position at loop d)
         self.pending, self.first = None, None
@@ -952,21 +963,28 @@ class _OuroSpeculation(Speculation):
             loops = run(token, j)
             return self.model.lm_head(loops[0][-1])[:, -1], loops
 
-        drafts, scores, loops = self.draft_tokens(state, k, logits_processor, step)
+        deeper = _Deeper(self, state, first)
+        drafts, scores, loops = self.draft_tokens(state, k, logits_processor, deeper.step(step),
+                                                  deeper.deepen if self.max_depth > self.depth else None)
+        deeper.settle()
         k = drafts.shape[1]
         loops.append(first[1] if k == 0 and first is not None else run(drafts[:, -1] if k else state.last, k))
         states = [torch.cat([s[t] for s, _ in loops], dim=1) for t in range(self.depth)]
         gates = [torch.cat([g[t] for _, g in loops], dim=1) for t in range(self.depth)] if self.gated else []
         return drafts, scores, (states, gates)
 
+    def positions(self, state, new: int):
+        """The positions of ``state.last`` and ``new - 1`` drafts, after the prompt's pending ones (first round)."""
+        positions = state.positions(new)
+        return positions if self.pending is None else torch.cat([self.pending, positions], dim=1)
+
     def verify(self, state, drafts, carry, logits_processor):
         """Loops d+1..K on the loop-d states of the positions from the last kept token to the last draft (and, in
         the first round, of the prompt's earlier positions: the deferred prefill), in one pass. Returns the processed
         scores ``(B, k + 1, V)``, decoded by the same exit rule as ``forward``."""
         (states, gates), core, k = carry, self.model.model, drafts.shape[1]
-        positions, first = state.positions(k + 1), self.pending is not None
-        if first:  # the first round: the prompt's earlier positions too
-            positions, self.pending = torch.cat([self.pending, positions], dim=1), None
+        positions, first = self.positions(state, k + 1), self.pending is not None  # first round: the prompt's too
+        self.pending = None
         rest, rest_gates = _run_loops(core, states[-1], positions, state.mask_with(k), self.cache, self.depth,
                                       self.loops, self.gated)
         states = states + rest
@@ -980,6 +998,51 @@ class _OuroSpeculation(Speculation):
         logits, _ = self.model._select_logits(states, loop_logits, pdf, gate_logits, self.step, self.weighted,
                                               self.threshold, self.tol)
         return self.process(state, drafts, logits, logits_processor)
+
+
+class _Deeper:
+    """``draft_max_depth``: a draft token the draft's ``d`` loops leave unsure is decided one loop deeper, up to
+    ``draft_max_depth`` loops. Loop ``d + 1`` at a position needs loop ``d + 1`` at every earlier one, so each deeper
+    loop runs on all positions not yet at full depth (the prompt's in the first round, and this round's so far), from
+    their loop-``d`` states; its cache entries are dropped once the token is decided (``settle``): the verification
+    computes those loops again for every position, so the deeper loops only choose the draft."""
+
+    def __init__(self, spec, state, first):
+        self.spec, self.state = spec, state
+        self.prompt = first is not None  # the first round: position 0 is the prompt's last, run by the prefill
+        self.shallow = [first[1][0][-1]] if self.prompt else []  # loop-d states of those positions
+        self.hidden, self.extra = None, 0  # the deepest states so far, and the loops run past d
+
+    def step(self, step):
+        """``step``, recording the loop-d states of the positions it runs."""
+        def run(token, j):
+            self.settle()
+            logits, loops = step(token, j)
+            if j > 0 or not self.prompt:  # (the prompt's states are in already)
+                self.shallow.append(loops[0][-1])
+            return logits, loops
+        return run
+
+    def deepen(self, j):
+        """The logits of position ``j`` one loop deeper (None at ``draft_max_depth``)."""
+        spec = self.spec
+        start = spec.depth + self.extra
+        if start >= spec.max_depth:
+            return None
+        hidden = torch.cat(self.shallow, dim=1) if self.extra == 0 else self.hidden
+        states, _ = _run_loops(spec.model.model, hidden, spec.positions(self.state, j + 1),
+                               self.state.mask_with(j), spec.cache, start, start + 1, gated=False)
+        self.hidden, self.extra = states[-1], self.extra + 1
+        return spec.model.lm_head(self.hidden[:, -1])
+
+    def settle(self) -> None:
+        """Drop the deeper loops' cache entries."""
+        if self.extra:
+            layers = self.spec.model.config.num_hidden_layers
+            depth = self.spec.depth
+            rollback(self.spec.cache, self.hidden.shape[1],
+                     self.spec.cache.layers[depth * layers:(depth + self.extra) * layers])
+            self.hidden, self.extra = None, 0
 
 
 __all__ = ["ExitRule", "LoopDepthWarning", "OuroCausalLMOutput", "OuroForCausalLM", "OuroModel", "OuroModelOutput",

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 import torch
-from transformers import DynamicCache, StaticCache
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, StaticCache
 
 from hf_fixedpoint.modeling import OuroConfig, OuroForCausalLM
 from tests.models.fixed_point_tester import _CHILD as _REMOTE_CHILD
@@ -216,6 +216,85 @@ def test_sampling_keeps_the_full_depth_distribution():
     tv = 0.5 * (spec - full).abs().sum()
     assert tv < 0.05, tv
     assert 0.5 * (draft - full).abs().sum() > 0.15  # the draft's own distribution is far off
+
+
+class _Recorder(LogitsProcessor):
+    """Records every ``(ids, scores)`` the decoding hands its logits processors (unchanged)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, input_ids, scores):
+        self.calls.append((input_ids.clone(), scores.clone()))
+        return scores
+
+
+@pytest.mark.parametrize("branch_scale,sharpen,threshold", [(None, 1.0, 0.9), (0.05, 40.0, 0.5)])
+def test_unsure_drafts_run_deeper(branch_scale, sharpen, threshold):
+    """``draft_max_depth``: every draft distribution is the model's at some depth on its prefix (the deeper loops of
+    an unsure token run on every position not yet at full depth, so they are exact), deeper ones are drafted from
+    (also past a round's first position, where ``sharpen`` makes some drafts sure), and the tokens and every cache
+    slot are full-depth greedy's."""
+    model = _model(branch_scale).double()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(sharpen)  # largest probabilities about 0.25 to 0.98 (x 40)
+    ids, mask = _batch()
+    ids = ids[1:2]  # a row without padding: its prefixes' logits are plain forwards
+    recorder = _Recorder()
+    kw = {"max_new_tokens": NEW, "do_sample": False, "pad_token_id": 0, "return_dict_in_generate": True}
+    full = model.generate(ids, past_key_values=DynamicCache(), **kw)
+    spec = model.generate(ids, past_key_values=DynamicCache(), draft_depth=1, draft_max_depth=3,
+                          num_assistant_tokens=3, assistant_confidence_threshold=threshold,
+                          logits_processor=LogitsProcessorList([recorder]), **kw)
+    assert torch.equal(spec.sequences, full.sequences)
+    for (k, v), (k_ref, v_ref) in zip(_slots(spec.past_key_values), _slots(full.past_key_values), strict=True):
+        torch.testing.assert_close(k, k_ref)
+        torch.testing.assert_close(v, v_ref)
+    depths = []
+    with torch.no_grad():
+        for prefix, scores in recorder.calls:
+            found = [t for t in range(1, 5)
+                     if torch.allclose(model(prefix, total_ut_steps=t).logits[:, -1].float(), scores, atol=1e-6)]
+            assert found, prefix.shape
+            depths.append((found[0], prefix.shape[1]))
+    assert {2, 3} <= {t for t, _ in depths if t < 4}
+    first, later = None, False  # a round's first draft position; a deeper draft past it
+    for t, n in depths:
+        if t == 4:  # the verification, after the round's drafts
+            first = None
+        elif first is None:
+            first = n
+        later = later or (t not in (1, 4) and n > first)
+    assert later or branch_scale is None  # (a random model is unsure of every draft: each round stops after one)
+
+
+def test_draft_max_depth_equals_drafting_at_that_depth_when_every_token_is_unsure():
+    """With every draft unsure (threshold 1), each draft runs ``draft_max_depth`` loops: the rounds of
+    ``draft_depth=1, draft_max_depth=3`` are those of ``draft_depth=3``, the tokens full depth's (static cache)."""
+    model = _model()
+    ids, mask = _batch()
+    kw = {"num_assistant_tokens": 3, "assistant_confidence_threshold": 1.0, "cache_implementation": "static"}
+    deep = _greedy(model, ids, mask, draft_depth=1, draft_max_depth=3, **kw)
+    three = _greedy(model, ids, mask, draft_depth=3, **kw)
+    assert torch.equal(deep.sequences, _greedy(model, ids, mask).sequences)
+    assert torch.equal(deep.sequences, three.sequences)
+    assert deep.accepted_draft_tokens.tolist() == three.accepted_draft_tokens.tolist()
+    assert deep.verify_rounds == three.verify_rounds
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"draft_max_depth": 0}, r"draft_max_depth.*\[2, 3\]"),
+    ({"draft_max_depth": 4}, r"draft_max_depth.*\[2, 3\]"),
+    ({"draft_max_depth": 2.5}, "draft_max_depth.*integer"),
+    ({"draft_max_depth": 3, "assistant_confidence_threshold": 0.0}, "assistant_confidence_threshold"),
+])
+def test_draft_max_depth_is_validated(kw, match):
+    model = _model()
+    ids, mask = _batch()
+    with pytest.raises(ValueError, match=match):
+        _greedy(model, ids, mask, draft_depth=2, **kw)
+    with pytest.raises(ValueError, match="pass draft_depth too"):
+        _greedy(model, ids, mask, draft_max_depth=3)
 
 
 @pytest.mark.parametrize("depth", [0, 4, 5, 1.5, -1])

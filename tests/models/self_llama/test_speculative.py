@@ -89,7 +89,8 @@ def test_draft_depth_is_validated():
     checks.check_draft_depth_is_validated(_model(sharp=False), 4, fp_max_iter=4)
 
 
-@pytest.mark.parametrize("kw,match", checks.REFUSALS + [({"fp_max_iter": 1}, "at least 2 iterations")])
+@pytest.mark.parametrize("kw,match", checks.REFUSALS + [({"fp_max_iter": 1}, "at least 2 iterations"),
+                                                         ({"draft_max_depth": 2}, "built for Ouro only")])
 def test_what_the_draft_cannot_serve_is_refused(kw, match):
     checks.check_refused(_model(sharp=False), match, draft_depth=1, **kw)
 
