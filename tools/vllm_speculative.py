@@ -36,7 +36,7 @@ def draft_folder(folder, loops, into) -> str:
     """A folder that serves ``folder``'s export at ``loops`` loops: links to its files, its config with
     ``total_ut_steps=loops`` (vLLM hands a speculative draft no ``hf_overrides`` of its own)."""
     draft = Path(into) / f"draft_{loops}"
-    draft.mkdir()
+    draft.mkdir(parents=True)
     for path in Path(folder).resolve().iterdir():
         if path.name != "config.json":
             (draft / path.name).symlink_to(path)
