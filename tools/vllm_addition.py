@@ -85,27 +85,37 @@ def score(folder, loops, eval_size, digits):
                 "agree": sum(a == b for a, b in zip(served[k], reference[k]["tokens"])) / n} for k in loops}
 
 
-def parse(argv):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("output_dir", help="the recipe's --output_dir (holds stars/, baseline/, metrics.json)")
-    parser.add_argument("--runs", default="stars", help="comma-separated model folders in output_dir")
-    parser.add_argument("--loops", default="4,12", help="comma-separated loop counts")
+def parse_problems(parser, argv, lists=("loops",)):
+    """``parser``'s arguments from ``argv``, with the problem options added (``--eval_size``, ``--digits``: default the
+    run's ``metrics.json`` in ``output_dir``, else 1000 and 3); the options named in ``lists`` become lists of the
+    comma-separated integers >= 1 they hold."""
     parser.add_argument("--eval_size", type=int, default=None, help="problems (default: the run's, else 1000)")
     parser.add_argument("--digits", type=int, default=None, help="digits per operand (default: the run's, else 3)")
-    parser.add_argument("--min_exact", type=float, default=None, help="exit status 1 when vLLM scores below it")
-    parser.add_argument("--json", default=None, help="also write the scores here")
     args = parser.parse_args(argv)
-    try:
-        args.loops = [int(k) for k in args.loops.split(",") if k.strip()]
-    except ValueError:
-        parser.error(f"--loops={args.loops!r}: allowed values are comma-separated integers >= 1")
-    if not args.loops or min(args.loops) < 1:
-        parser.error(f"--loops={args.loops!r}: allowed values are comma-separated integers >= 1")
+    for name in lists:
+        text = getattr(args, name)
+        try:
+            values = [int(k) for k in text.split(",") if k.strip()]
+        except ValueError:
+            values = []
+        if not values or min(values) < 1:
+            parser.error(f"--{name}={text!r}: allowed values are comma-separated integers >= 1")
+        setattr(args, name, values)
     metrics = os.path.join(args.output_dir, "metrics.json")
     run_args = json.load(open(metrics))["args"] if os.path.exists(metrics) else {}
     args.eval_size = args.eval_size or run_args.get("eval_size", 1000)
     args.digits = args.digits or run_args.get("digits", 3)
     return args
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("output_dir", help="the recipe's --output_dir (holds stars/, baseline/, metrics.json)")
+    parser.add_argument("--runs", default="stars", help="comma-separated model folders in output_dir")
+    parser.add_argument("--loops", default="4,12", help="comma-separated loop counts")
+    parser.add_argument("--min_exact", type=float, default=None, help="exit status 1 when vLLM scores below it")
+    parser.add_argument("--json", default=None, help="also write the scores here")
+    return parse_problems(parser, argv)
 
 
 def main(argv=None):

@@ -9,6 +9,12 @@ them per token (rows are mapped to tokens through the attention metadata's ``que
 The largest allowed ``total_ut_steps`` is the engine's loop count (the config's ``total_ut_steps``, e.g. from
 ``hf_overrides``): the paged KV cache holds one slot per (loop, layer) for that many loops. The front-end learns it
 from ``OuroConfigHook``, which vLLM runs on the engine's config when it is built (in the front-end process).
+
+With speculative decoding (``speculative_config``), vLLM builds no custom logits processor (``build_logitsprocs`` in
+``vllm/v1/sample/logits_processor/__init__.py``: only its min-tokens one), so the model never sees the requests'
+settings; ``validate_params``, which vLLM's front-end still calls, refuses them then instead of serving every request
+at the engine's loop count.
+
 ``AttractorConfigHook`` and ``SolveConfigHook`` are the Attractor LM's and SELF's / DEQ-LM's: they refuse, at engine
 start, the settings their native models do not serve (subclasses of vLLM's ``VerifyAndUpdateConfig``, as vLLM's own
 hooks).
@@ -24,8 +30,9 @@ from .settings import check_engine, check_request, check_stop_fraction
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, whose handlers vLLM configures
 
-# Loop count of the Ouro engine configured in this process (None: none), for validate_params.
-_SERVED = {"loops": None}
+# The Ouro engine configured in this process, for validate_params: its loop count (None: none), and whether it
+# decodes speculatively.
+_SERVED = {"loops": None, "speculative": False}
 
 
 class OuroConfigHook(VerifyAndUpdateConfig):
@@ -46,6 +53,7 @@ class OuroConfigHook(VerifyAndUpdateConfig):
                              "decode a given loop with extra_args={'total_ut_steps': step + 1, 'exit_threshold': "
                              "None} instead.")
         _SERVED["loops"] = int(config.total_ut_steps)
+        _SERVED["speculative"] = vllm_config.speculative_config is not None
 
 
 class AttractorConfigHook(VerifyAndUpdateConfig):
@@ -90,6 +98,11 @@ class OuroRequestKnobs(LogitsProcessor):
         if settings and _SERVED["loops"] is None:
             raise ValueError(f"extra_args {sorted(settings)} are per-request settings of hf-fixedpoint's Ouro "
                              "models; the model served here is not one.")
+        if settings and _SERVED["speculative"]:
+            raise ValueError(f"extra_args {sorted(settings)} are not served with speculative decoding: vLLM builds no "
+                             "custom logits processor when speculative_config is set, so the model would never see "
+                             "them. Allowed values: no per-request settings; set the engine's loops with "
+                             "hf_overrides={'total_ut_steps': k}, or serve without speculative_config.")
 
     def __init__(self, vllm_config, device, is_pin_memory):
         self.rows = {}  # batch row -> settings dict, for the rows of requests that set any

@@ -3,7 +3,8 @@
 
 The spec lists runs; each run starts one ``vllm.LLM`` (greedy, float32, eager) and records, per request batch, the
 generated tokens (and their log-probabilities where the run sets ``"logprobs": true``), or the error of the start or of
-a request.
+a request; where the run sets ``"spec_counters": true`` (with ``"disable_log_stats": false`` in its ``llm_kwargs``),
+also vLLM's speculative-decoding counters after its batches (``tools.vllm_speculative.counters``).
 """
 
 import gc
@@ -38,6 +39,10 @@ def run(spec) -> dict:
                                                      for c in (o.outputs[0] for o in outputs)]
         except Exception as err:
             report["batches"].append({"error": f"{type(err).__name__}: {err}"})
+    if spec.get("spec_counters"):
+        from tools.vllm_speculative import counters
+
+        report["counters"] = counters(llm)
     del llm  # shuts the engine down before the next run starts its own
     gc.collect()
     return report
