@@ -139,7 +139,7 @@ def main(argv=None):
                         help="assistant_confidence_threshold (default: transformers' 0.4)")
     parser.add_argument("--draft_max_depths", type=int, nargs="+", default=[],
                         help="draft_max_depth settings (Ouro): unsure draft tokens run up to this many loops")
-    parser.add_argument("--deep_confidence", type=float, default=0.9,
+    parser.add_argument("--deep_confidence", type=float, default=0.8,
                         help="assistant_confidence_threshold of the draft_max_depth settings")
     parser.add_argument("--new_tokens", type=int, default=None, help="tokens past the end token (default: stop at it)")
     parser.add_argument("--problems", type=int, default=32)

@@ -1,4 +1,5 @@
-"""Self-speculative decoding benchmark: a smoke run of the Attractor LM mode on a tiny recipe-built model."""
+"""Self-speculative decoding benchmark: smoke runs of the Ouro mode (every setting, ``draft_max_depth`` included, on a
+tiny random model with the addition demo's tokenizer) and of the Attractor LM mode on a tiny recipe-built model."""
 
 import json
 from pathlib import Path
@@ -6,7 +7,23 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_speculative import ATTRACTOR_PROMPTS, main
+from hf_fixedpoint.modeling import OuroConfig, OuroForCausalLM
 from recipes.attractor_lm import Args, build_data, build_model
+from recipes.stars_ouro import char_tokenizer
+
+
+def test_ouro_mode_reports_every_setting(tmp_path, capsys):
+    torch.manual_seed(0)
+    config = OuroConfig(vocab_size=len(char_tokenizer()), hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=2, total_ut_steps=4, loop_guard_tol=None)
+    OuroForCausalLM(config).save_pretrained(tmp_path / "ouro")
+    results = main(["--model_dir", str(tmp_path / "ouro"), "--loops", "3", "--batch_sizes", "1", "2", "--problems",
+                    "2", "--draft_depths", "1", "--draft_max_depths", "2", "3", "--repeats", "1"])
+    names = {"full depth", "draft_depth=1", "draft_depth=1..2"}  # 3 is not below the full depth: left out
+    assert set(results) == {(3, batch, name) for batch in (1, 2) for name in names}
+    assert all(r["tokens_per_s"] > 0 and r["flops"] > 0 for r in results.values())
+    assert results[3, 1, "draft_depth=1..2"]["acceptance"] is not None
+    assert "target at" not in capsys.readouterr().out  # no row at 4 or 12 loops
 
 
 def _save_tiny_attractor(tmp_path):
