@@ -193,10 +193,12 @@ def _distribution(tokens, vocab):
     return torch.bincount(codes, minlength=vocab * vocab).double() / len(tokens)
 
 
-def test_sampling_keeps_the_full_depth_distribution():
+@pytest.mark.parametrize("deeper", [{}, {"draft_max_depth": 2, "assistant_confidence_threshold": 0.99}])
+def test_sampling_keeps_the_full_depth_distribution(deeper):
     """The speculative acceptance rule: the first two sampled tokens (the first one drafted from the prompt's loop-d
-    state and accepted or not, then the verification's next token) are distributed as full-depth sampling's, not as
-    the draft's (total variation distance on 6000 samples of 9 outcomes; sampling noise about 0.02)."""
+    state, or one loop deeper where it is unsure, and accepted or not, then the verification's next token) are
+    distributed as full-depth sampling's, not as the draft's (total variation distance on 6000 samples of 9
+    outcomes; sampling noise about 0.02)."""
     model = _model(branch_scale=4.0, vocab_size=3, total_ut_steps=3)  # loops that move the state a lot
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)  # and sharper distributions: the draft's differs from the full depth's
@@ -205,8 +207,8 @@ def test_sampling_keeps_the_full_depth_distribution():
     torch.manual_seed(1)
     full = _distribution(model.generate(ids, **kw)[:, 3:], 3)
     torch.manual_seed(2)
-    out = model.generate(ids, draft_depth=1, num_assistant_tokens=1, return_dict_in_generate=True, **EVERY_DRAFT,
-                         **kw)
+    out = model.generate(ids, draft_depth=1, num_assistant_tokens=1, return_dict_in_generate=True,
+                         **{**EVERY_DRAFT, **deeper}, **kw)
     spec = _distribution(out.sequences[:, 3:], 3)
     assert bool((out.draft_tokens == 1).all())  # one draft per row (the first token), accepted or not by the rule
     accepted = out.accepted_draft_tokens.double().mean()
