@@ -43,8 +43,9 @@ DESCRIPTIONS = {
     "fp_check_every": "How often the host reads the solve's convergence state: every k iterations (1: after every "
                       "one, the solve stops as soon as it may; k > 1: an entry may run up to k - 1 more iterations). "
                       "0: never inside the solve, which runs its whole budget with finished entries frozen on the "
-                      "device and reads once after the loop (NaN/Inf); the forward then compiles as one graph "
-                      "([gpu.md](gpu.md)).",
+                      "device and reads once after the loop (NaN/Inf); the forward then compiles as one graph, and "
+                      "the Attractor LM and SELF-LLaMA build their causal mask without transformers' host-read "
+                      "shortcut ([gpu.md](gpu.md)).",
     "fp_backward": "Gradient mode: `ift` (implicit function theorem, adjoint solved by a solver), `phantom` "
                    "(a few damped steps from the fixed point), `one_step` (Jacobian-free), `bptt` (backprop "
                    "through the unrolled solve).",

@@ -41,7 +41,7 @@ from .fp_compat import (
 )
 from .fp_engines import EngineGuardMixin
 from .fp_registry import check_number
-from .fp_settings import call_knobs, call_max_iter, fixed_point_kwargs
+from .fp_settings import call_knobs, call_max_iter, fixed_point_kwargs, host_reads
 from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_speculative import SpeculativeGenerationMixin
 from .fp_stats import FixedPointStats
@@ -296,7 +296,7 @@ class AttractorModel(AttractorPreTrainedModel):
         else:
             mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds,
                                       attention_mask=attention_mask, past_key_values=past_key_values,
-                                      position_ids=position_ids)
+                                      position_ids=position_ids, host_reads=host_reads(self.config, overrides))
         cos, sin = self.rotary_emb(inputs_embeds, position_ids)  # (B, T, hd) each
 
         want_hidden = self.config.output_hidden_states if output_hidden_states is None else output_hidden_states

@@ -161,6 +161,13 @@ def call_knobs(config, kwargs: dict, where: str, fp_overrides: dict = None, fp_m
     return overrides
 
 
+def host_reads(config, overrides: dict = None) -> bool:
+    """Whether a forward with the per-call ``overrides`` (``call_knobs``) may read the device on the host besides
+    its solves' checks: not at ``fp_check_every=0`` (``fp_compat.create_causal_mask``'s ``host_reads``)."""
+    default = getattr(config, "fp_check_every", FP_DEFAULTS["fp_check_every"])
+    return (overrides or {}).get("fp_check_every", default) != 0
+
+
 def call_max_iter(config, call_kwargs: dict, where: str) -> int:
     """The iteration cap of an eval-mode forward called with ``call_kwargs`` (its ``fp_*`` keywords and
     ``fp_overrides``, as ``generate`` passes them to every step; other keys are ignored), else of the config."""
@@ -207,6 +214,7 @@ __all__ = [
     "check_fp_settings",
     "fixed_point_kwargs",
     "fp_settings",
+    "host_reads",
     "pop_fp_kwargs",
     "reject_unknown_knobs",
     "solve_options",

@@ -36,7 +36,7 @@ from transformers.utils.generic import can_return_tuple
 
 from .configuration_self_llama import SelfLlamaConfig
 from .fp_backward import fixed_point  # noqa: F401  (see vendor.direct_import_problems)
-from .fp_compat import CACHE_NAME, attention_function, pop_cache, require_dynamic_cache
+from .fp_compat import CACHE_NAME, attention_function, create_causal_mask, pop_cache, require_dynamic_cache
 from .fp_engines import EngineGuardMixin
 from .fp_fpsa import FPSAOptions, fpsa_decoder_attention
 from .fp_fpsa_layers import init_fpsa_weights
@@ -45,7 +45,7 @@ from .fp_fpsa_stats import FPSAStats, FPSAStatsSink, with_jac_penalty
 from .fp_halting import ACTAccumulator  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_jacobian import jacobian_frobenius  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_registry import check_number  # noqa: F401  (see vendor.direct_import_problems)
-from .fp_settings import call_knobs, call_max_iter, fixed_point_kwargs
+from .fp_settings import call_knobs, call_max_iter, fixed_point_kwargs, host_reads
 from .fp_solvers import defer_finite_checks
 from .fp_speculative import SpeculativeGenerationMixin
 from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_problems)
@@ -193,6 +193,14 @@ class SelfLlamaModel(SelfLlamaPreTrainedModel, LlamaModel):
         if attention_mask is not None and attention_mask.dim() == 2:
             length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
             stats.token_mask = attention_mask[:, -length:].bool()
+            if not host_reads(self.config, overrides):  # the mask built without transformers' host-read shortcut
+                if inputs_embeds is None:
+                    inputs_embeds, input_ids = self.embed_tokens(input_ids), None
+                mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds,
+                                          attention_mask=attention_mask, past_key_values=past_key_values,
+                                          position_ids=position_ids, host_reads=False)
+                if torch.is_tensor(mask) and mask.dim() == 4:  # a prepared mask, which LlamaModel passes on as is
+                    attention_mask = mask
         out = super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                               inputs_embeds=inputs_embeds, use_cache=use_cache, return_dict=True,
                               **{CACHE_NAME: past_key_values},

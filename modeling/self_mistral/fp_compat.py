@@ -87,8 +87,14 @@ def pop_cache(past_key_values, kwargs: dict):
 _MASK_PARAMS = inspect.signature(masking_utils.create_causal_mask).parameters
 
 
-def create_causal_mask(config, inputs_embeds, attention_mask, past_key_values, position_ids=None, **kwargs):
-    """``transformers.masking_utils.create_causal_mask`` with this release's keyword names."""
+def create_causal_mask(config, inputs_embeds, attention_mask, past_key_values, position_ids=None,
+                       host_reads: bool = True, **kwargs):
+    """``transformers.masking_utils.create_causal_mask`` with this release's keyword names. ``host_reads=False``
+    (a forward at ``fp_check_every=0``) turns off transformers' shortcut that reads a 2-d padding mask on the host to
+    hand SDPA ``is_causal`` instead of a mask (one or two reads per forward): the mask is built, as under
+    ``torch.compile``, where the release lets the caller choose (``allow_is_causal_skip``)."""
+    if not host_reads and "allow_is_causal_skip" in _MASK_PARAMS:
+        kwargs["allow_is_causal_skip"] = False
     embeds_name = "inputs_embeds" if "inputs_embeds" in _MASK_PARAMS else "input_embeds"
     cache_name = "cache" if "cache" in _MASK_PARAMS else "past_key_values"
     kwargs.update({embeds_name: inputs_embeds, cache_name: past_key_values})

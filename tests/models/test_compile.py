@@ -1,6 +1,7 @@
 """``fp_check_every=0``: every family's no-grad forward compiles as one graph (``torch.compile(fullgraph=True)``)
-and equals eager, and reads the host at most once per solve besides what transformers' own mask code reads; a
-training step compiles as one graph with the unrolled backward modes."""
+and equals eager, reads the host at most once per forward besides the model's own input checks and (Ouro, FPSA-BERT)
+transformers' mask code, and gives the default path's outputs; a training step compiles as one graph with the
+unrolled backward modes."""
 
 import pytest
 import torch
@@ -8,11 +9,13 @@ from torch.profiler import profile
 
 from tests.models.test_knobs import NAMES, build
 
-# Host reads of one no-grad forward of the tiny two-layer model at fp_check_every=0 (measured; a stock
-# LlamaForCausalLM on a padded batch reads 2, in transformers' mask code): one per forward (the NaN/Inf checks of all
-# its solves, read together: ``defer_finite_checks``) plus the model's own input checks and transformers' masks.
-HOST_READS = {"attractor_lm": 3, "deq_lm": 2, "ouro": 2, "fprm": 1, "trm": 1, "urm": 1, "fpsa_bert": 2, "fpsa_vit": 1,
-              "self_llama": 3, "self_mistral": 1}
+# Host reads of one no-grad forward of the tiny two-layer model on a left-padded batch at fp_check_every=0
+# (measured; a stock LlamaForCausalLM reads 2 there, in transformers' mask code, which the Attractor LM and SELF-LLaMA
+# skip at fp_check_every=0: ``fp_compat.create_causal_mask``'s ``host_reads``): one per forward (the NaN/Inf checks
+# of all its solves, read together: ``defer_finite_checks``) plus the model's own input checks and, for Ouro (no
+# solve, no fp_check_every), transformers' mask code.
+HOST_READS = {"attractor_lm": 1, "deq_lm": 2, "ouro": 2, "fprm": 1, "trm": 1, "urm": 1, "fpsa_bert": 2, "fpsa_vit": 1,
+              "self_llama": 1, "self_mistral": 1}
 
 
 def knobs(name: str) -> dict:
@@ -45,6 +48,21 @@ def test_host_reads_of_a_forward(name):
     events = {e.key: e.count for e in prof.key_averages()}
     assert events.get("aten::nonzero", 0) == 0
     assert events.get("aten::_local_scalar_dense", 0) <= HOST_READS[name]
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "ouro"])
+def test_check_every_gives_the_default_answers(name):
+    """With a budget that converges, ``fp_check_every`` 0 and 3 give the default path's outputs on the left-padded
+    batch (float64): the finished entries are frozen at the same fixed point, and the Attractor LM's and SELF-LLaMA's
+    causal mask at 0 (built without transformers' host-read shortcut) masks the same keys."""
+    model, inputs = build(name)
+    model = model.double()
+    inputs = {k: v.double() if torch.is_floating_point(v) else v for k, v in inputs.items()}
+    with torch.no_grad():
+        default, never, every_3 = (main_output(model(**inputs, fp_max_iter=80, fp_tol=1e-11, fp_check_every=k))
+                                   for k in (1, 0, 3))
+    torch.testing.assert_close(never, default, rtol=0, atol=1e-9)
+    torch.testing.assert_close(every_3, default, rtol=0, atol=1e-9)
 
 
 def test_host_reads_do_not_grow_with_the_layers():
