@@ -51,14 +51,31 @@ def trunc_normal_(t: torch.Tensor, std: float = 1.0, lower: float = -2.0, upper:
         if std == 0:
             nn.init.zeros_(t)
             return t
-        a, b = lower / math.sqrt(2), upper / math.sqrt(2)
-        z = (math.erf(b) - math.erf(a)) / 2
-        pdf_u = math.exp(-(upper**2) / 2) / math.sqrt(2 * math.pi)
-        pdf_l = math.exp(-(lower**2) / 2) / math.sqrt(2 * math.pi)
-        var = 1 - (upper * pdf_u - lower * pdf_l) / z - ((pdf_u - pdf_l) / z) ** 2
-        scale = std / math.sqrt(var)
+        scale = _truncated_scale(std, lower, upper)
         nn.init.trunc_normal_(t, mean=0.0, std=scale, a=lower * scale, b=upper * scale, generator=generator)
         return t
+
+
+def _truncated_scale(std: float, lower: float, upper: float) -> float:
+    """The scale of a standard normal truncated to ``[lower, upper]`` whose actual standard deviation is ``std``."""
+    a, b = lower / math.sqrt(2), upper / math.sqrt(2)
+    z = (math.erf(b) - math.erf(a)) / 2
+    pdf_u = math.exp(-(upper**2) / 2) / math.sqrt(2 * math.pi)
+    pdf_l = math.exp(-(lower**2) / 2) / math.sqrt(2 * math.pi)
+    var = 1 - (upper * pdf_u - lower * pdf_l) / z - ((pdf_u - pdf_l) / z) ** 2
+    return std / math.sqrt(var)
+
+
+def truncated_normal(shape, std: float = 1.0, lower: float = -2.0, upper: float = 2.0, device=None,
+                     generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """``trunc_normal_``'s distribution drawn without a host read, for noise drawn in every training forward: the
+    inverse CDF (``torch.special.ndtri``) of uniforms between the bounds' CDF values. ``nn.init.trunc_normal_``
+    (torch 2.13) redraws out-of-range values in a loop whose test reads the device each round."""
+    def cdf(x):
+        return (1 + math.erf(x / math.sqrt(2))) / 2
+
+    u = torch.empty(shape, device=device).uniform_(cdf(lower), cdf(upper), generator=generator)
+    return torch.special.ndtri(u).clamp_(lower, upper).mul_(_truncated_scale(std, lower, upper))
 
 
 def rms_norm(x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
@@ -776,4 +793,5 @@ __all__ = [
     "stablemax_cross_entropy",
     "swiglu_width",
     "trunc_normal_",
+    "truncated_normal",
 ]

@@ -43,6 +43,7 @@ from .fp_reasoning import (
     puzzle_hidden_states,
     rms_norm,
     trunc_normal_,
+    truncated_normal,
 )
 from .fp_registry import check_number  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_settings import call_knobs, fixed_point_kwargs
@@ -77,11 +78,13 @@ class FPRMPuzzleOutput(ModelOutput):
     hidden_states: Optional[tuple] = None
 
 
-def _start_noise(n, S, D, std, kind, device, generator=None):
-    """``(n, S, D)`` start noise: truncated normal or normal with standard deviation ``std``."""
-    noise = torch.empty(n, S, D, device=device)
+def _start_noise(n, S, D, std, kind, device, generator=None, sync_free=False):
+    """``(n, S, D)`` start noise: truncated normal or normal with standard deviation ``std``; ``sync_free``: the
+    truncated normal drawn without a host read (``truncated_normal``; other numbers from the same seed)."""
+    if kind == "truncated" and sync_free:
+        return truncated_normal((n, S, D), std=std, device=device, generator=generator)
     if kind == "truncated":
-        return trunc_normal_(noise, std=std, generator=generator)
+        return trunc_normal_(torch.empty(n, S, D, device=device), std=std, generator=generator)
     return torch.randn(n, S, D, generator=generator, device=device) * std
 
 
@@ -182,8 +185,8 @@ class FPRMModel(FPRMPreTrainedModel):
         else:
             # Evaluation: one draw from a seeded CPU generator, shared by every slot, so a puzzle's output does not
             # depend on the batch it is in, its slot, or the device (CUDA's generator draws other numbers).
-            if self.training:
-                noise = _start_noise(batch_size, S, D, c.init_std, c.init_noise, device)
+            if self.training:  # drawn in every training forward: without a host read
+                noise = _start_noise(batch_size, S, D, c.init_std, c.init_noise, device, sync_free=True)
             else:
                 noise = _seeded_start_noise(S, D, c.init_std, c.init_noise, c.seed)
             y = noise.to(device, dtype).expand(batch_size, S, D).clone()

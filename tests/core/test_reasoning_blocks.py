@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 from torch.nn import functional as F
+from torch.profiler import profile
 
 from hf_fixedpoint.core.fp_reasoning import (
     ShortConv,
@@ -16,6 +17,7 @@ from hf_fixedpoint.core.fp_reasoning import (
     stablemax_cross_entropy,
     swiglu_width,
     trunc_normal_,
+    truncated_normal,
 )
 
 
@@ -95,6 +97,24 @@ def test_layer_helpers():
     with pytest.raises(ValueError, match="does not cover"):
         conv(torch.randn(1, 5, 2, dtype=torch.float64))
     assert math.isclose(float(ShortConv(2, "1d", 4, 0)(torch.ones(1, 6, 2)).shape[1]), 6)
+
+
+def test_truncated_normal_draws_trunc_normals_distribution_without_a_host_read():
+    """The training start noise: ``trunc_normal_``'s distribution (std 0.5, two sigmas of the underlying normal), its
+    CDF within sampling noise of the truncated normal's, and no ``aten::_local_scalar_dense`` (``trunc_normal_``
+    itself reads the host in torch 2.13)."""
+    with profile() as prof:
+        t = truncated_normal((200_000,), std=0.5, generator=torch.Generator().manual_seed(0))
+    assert all(e.key != "aten::_local_scalar_dense" for e in prof.key_averages())
+    scale = 0.5 / math.sqrt(0.7737413)  # the underlying normal's std: 0.5 / sqrt(variance of N(0,1) on [-2, 2])
+    assert abs(t.std().item() - 0.5) < 5e-3 and t.abs().max() <= 2 * scale + 1e-4
+
+    def phi(x):
+        return (1 + math.erf(x / math.sqrt(2))) / 2
+
+    for x in (-1.5, -0.5, 0.0, 0.7, 1.9):  # the truncated normal's CDF on the standardized scale
+        want = (phi(x) - phi(-2)) / (phi(2) - phi(-2))
+        assert abs((t / scale < x).double().mean().item() - want) < 5e-3, x
 
 
 def test_one_d_conv_is_causal_float64():

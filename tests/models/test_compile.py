@@ -65,6 +65,21 @@ def test_check_every_gives_the_default_answers(name):
     torch.testing.assert_close(every_3, default, rtol=0, atol=1e-9)
 
 
+@pytest.mark.parametrize("name", ["fprm", "trm", "urm"])
+def test_host_reads_of_a_puzzle_training_forward(name):
+    """A training forward of the puzzle families at ``fp_check_every=0`` reads the host once (its NaN/Inf check):
+    FPRM's fresh start noise is drawn without ``trunc_normal_``'s redraw loop (``truncated_normal``)."""
+    model, inputs = build(name)
+    model.train()
+    kw = {"fp_check_every": 0, "fp_max_iter": 3, "fp_backward": "phantom"}
+    model(**inputs, **kw)
+    with profile() as prof:
+        model(**inputs, **kw)
+    events = {e.key: e.count for e in prof.key_averages()}
+    assert events.get("aten::nonzero", 0) == 0
+    assert events.get("aten::_local_scalar_dense", 0) <= 1
+
+
 def test_host_reads_do_not_grow_with_the_layers():
     # SELF-LLaMA: one FPSA solve per layer, their NaN/Inf checks read together at the end of the forward.
     from tests.models.test_knobs import family
