@@ -161,6 +161,17 @@ def call_knobs(config, kwargs: dict, where: str, fp_overrides: dict = None, fp_m
     return overrides
 
 
+def generate_knobs(kwargs: dict) -> dict:
+    """``generate``'s keywords with every ``fp_*`` setting other than the named ``fp_max_iter`` / ``fp_tol`` moved
+    into ``fp_overrides`` (keywords win, as in ``call_knobs``), so that ``generate(ids, fp_check_every=0)`` reaches
+    every forward: transformers' ``generate`` hands a model's forward only its named parameters and refuses any other
+    keyword as unused by the model. Values are checked by the forwards (``call_knobs``)."""
+    moved = {k: kwargs.pop(k) for k in [k for k in kwargs if k in FP_DEFAULTS and k not in ("fp_max_iter", "fp_tol")]}
+    if moved:
+        kwargs["fp_overrides"] = {**(kwargs.get("fp_overrides") or {}), **moved}
+    return kwargs
+
+
 def host_reads(config, overrides: dict = None) -> bool:
     """Whether a forward with the per-call ``overrides`` (``call_knobs``) may read the device on the host besides
     its solves' checks: not at ``fp_check_every=0`` (``fp_compat.create_causal_mask``'s ``host_reads``)."""
@@ -214,6 +225,7 @@ __all__ = [
     "check_fp_settings",
     "fixed_point_kwargs",
     "fp_settings",
+    "generate_knobs",
     "host_reads",
     "pop_fp_kwargs",
     "reject_unknown_knobs",

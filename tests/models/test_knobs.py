@@ -165,6 +165,25 @@ def test_generate_takes_and_checks_the_knob(name):
         assert not torch.allclose(one.scores[0], default.scores[0])
 
 
+@pytest.mark.parametrize("name", [n for n in CAUSAL_LMS if n != "ouro"])
+def test_generate_takes_every_fp_keyword(name):
+    """Any ``fp_*`` setting is a keyword of ``generate`` too (transformers' ``generate`` passes a forward only its
+    named parameters: the models fold the others into ``fp_overrides``), with the same tokens as through
+    ``fp_overrides``, and a bad value gets the setting's own error, not transformers' "not used by the model"."""
+    model, _ = build(name)
+    ids = torch.randint(1, model.config.vocab_size, (2, 4), generator=torch.Generator().manual_seed(0))
+    greedy = {"max_new_tokens": 3, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        picard = model.generate(ids, fp_solver="picard", fp_max_iter=2, **greedy)
+        folded = model.generate(ids, fp_max_iter=2, fp_overrides={"fp_solver": "picard"}, **greedy)
+        assert torch.equal(picard, folded)
+        both = model.generate(ids, fp_solver="picard", fp_overrides={"fp_solver": "anderson", "fp_max_iter": 2},
+                              **greedy)  # the keyword wins, as in forward
+        assert torch.equal(both, picard)
+        with pytest.raises(ValueError, match="fp_solver='newton' is not a known solver"):
+            model.generate(ids, fp_solver="newton", **greedy)
+
+
 _CHILD = textwrap.dedent(
     """
     import importlib.abc, json, sys
