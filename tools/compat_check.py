@@ -10,7 +10,8 @@
 2. Load: per release, a clean virtual environment (``torch==2.13.0`` CPU, then ``transformers==X safetensors``;
    hf-fixedpoint not installed, a fresh modules cache) loads every class with ``AutoModel*.from_pretrained(dir,
    trust_remote_code=True)`` and compares outputs (``allclose``, rtol = atol = 1e-5) and generated tokens (equal).
-   ``newest`` is the newest release on the package index (``pip index versions transformers``), looked up now.
+   ``newest`` is the newest release on the package index (``pip index versions transformers``), looked up now, that
+   pip can install from it (a newer one whose own dependencies the index lacks is reported and skipped).
 3. ``--suite``: the package's own test suite in an environment of ``constraints.txt`` with transformers replaced by
    the newest release.
 
@@ -91,12 +92,23 @@ def run(cmd, **kwargs):
     return subprocess.run([str(c) for c in cmd], check=True, text=True, **kwargs)
 
 
-def newest_release() -> str:
+def newest_release(skipped: list) -> str:
+    """The newest transformers release on the package index that pip can install there (its own dependencies found
+    on the index too: a release can need one the index does not have yet); the newer ones it cannot are appended to
+    ``skipped`` as ``(release, pip's reason)``."""
     out = run([sys.executable, "-m", "pip", "index", "versions", "transformers"], capture_output=True).stdout
-    match = re.search(r"^transformers \(([^)]+)\)", out, flags=re.MULTILINE)
+    match = re.search(r"^Available versions: (.+)$", out, flags=re.MULTILINE)
     if not match:
-        raise RuntimeError(f"could not read the newest transformers release from `pip index versions`:\n{out}")
-    return match.group(1)
+        raise RuntimeError(f"could not read the transformers releases from `pip index versions`:\n{out}")
+    for release in [v.strip() for v in match.group(1).split(",")][:5]:  # newest first
+        proc = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "-q",
+                               "--disable-pip-version-check", f"transformers=={release}"], capture_output=True,
+                              text=True)
+        if proc.returncode == 0:
+            return release
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("ERROR")]
+        skipped.append((release, errors[-1] if errors else proc.stderr.strip()[-300:]))
+    raise RuntimeError(f"none of the five newest transformers releases can be installed from the index: {skipped}")
 
 
 # ---- 1. save ------------------------------------------------------------------------------------------------------
@@ -240,7 +252,11 @@ def main(argv=None) -> int:
     parser.add_argument("--keep", type=Path, default=None, help="work folder kept (and its venvs reused)")
     args = parser.parse_args(argv)
 
-    newest = newest_release()
+    skipped = []
+    newest = newest_release(skipped)
+    for release, why in skipped:  # not the package's failure: nobody installs them from this index
+        print(f"transformers {release} is on the index but cannot be installed from it ({why}); the newest release "
+              f"checked is {newest}", flush=True)
     releases = list(dict.fromkeys(newest if r == "newest" else r for r in args.releases))
     work = args.keep or Path(tempfile.mkdtemp(prefix="hf-fixedpoint-compat-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -91,7 +91,7 @@ def test_require_transformers_names_the_release():
         fp_compat.require_transformers("5.12", "FPSA-ViT", "ViTModel keeps its layers in encoder.layer")
 
 
-def test_compat_tool_summarises_families_and_updates_the_readme_block():
+def test_compat_tool_summarises_families_and_updates_the_readme_block(monkeypatch):
     import sys
     from pathlib import Path
 
@@ -109,6 +109,25 @@ def test_compat_tool_summarises_families_and_updates_the_readme_block():
     assert compat_check._shown_args(["--keep", "/tmp/x", "--suite"]) == ["--suite"]
     readme = (root / "README.md").read_text()
     assert compat_check.TABLE_START in readme and compat_check.TABLE_END in readme
+
+    # The newest release checked is the newest pip can install from the index: a newer one whose own dependency the
+    # index lacks (transformers 5.25.0 needed kernels>=0.19.1 while the index had 0.17.2) is skipped with pip's reason.
+    import subprocess
+    import types
+
+    def fake_run(cmd, **kwargs):  # `pip index versions transformers`
+        return types.SimpleNamespace(stdout="transformers (5.25.0)\nAvailable versions: 5.25.0, 5.24.0, 5.23.0\n")
+
+    def fake_subprocess_run(cmd, **kwargs):  # `pip install --dry-run transformers==X`
+        bad = cmd[-1] == "transformers==5.25.0"
+        return types.SimpleNamespace(returncode=int(bad), stderr="ERROR: No matching distribution found for kernels"
+                                     if bad else "")
+
+    monkeypatch.setattr(compat_check, "run", fake_run)
+    monkeypatch.setattr(subprocess, "run", fake_subprocess_run)
+    skipped = []
+    assert compat_check.newest_release(skipped) == "5.24.0"
+    assert skipped == [("5.25.0", "ERROR: No matching distribution found for kernels")]
 
 
 @pytest.mark.parametrize("family", ["ouro", "attractor_lm", "self_llama", "self_mistral"])
