@@ -59,16 +59,16 @@ ATTRACTOR_PROMPTS = ["ROMEO:\nBut soft, what light", "KING HENRY:\nOnce more unt
 TARGETS = {4: 1.5, 12: 2.5}  # full depth -> tokens/s ratio at batch 1
 
 
-def settings(args, loops=None):
-    """``(name, generate kwargs)``: the baseline first; with ``loops``, Ouro's ``draft_max_depth`` settings too
-    (each ``--draft_max_depths`` value ``e`` above a draft depth ``d`` and below ``loops``, at the threshold
-    ``--deep_confidence``)."""
+def settings(args, loops: int):
+    """``(name, generate kwargs)`` at ``loops`` loops: the baseline first, then each draft depth ``d``, then Ouro's
+    ``draft_max_depth`` settings (each ``--draft_max_depths`` value ``e`` above ``d`` and below ``loops``, at the
+    threshold ``--deep_confidence``)."""
     draft = {"num_assistant_tokens": args.draft_tokens, "num_assistant_tokens_schedule": args.schedule}
     if args.confidence is not None:
         draft["assistant_confidence_threshold"] = args.confidence
     cases = [("full depth", {})] + [(f"draft_depth={d}", {"draft_depth": d, **draft}) for d in args.draft_depths]
-    deep = {**draft, "assistant_confidence_threshold": getattr(args, "deep_confidence", None)}
-    for d in args.draft_depths if loops else ():
+    deep = {**draft, "assistant_confidence_threshold": args.deep_confidence}
+    for d in args.draft_depths:
         cases += [(f"draft_depth={d}..{e}", {"draft_depth": d, "draft_max_depth": e, **deep})
                   for e in args.draft_max_depths if d < e < loops]
     return cases

@@ -41,7 +41,7 @@ from .fp_compat import (
 )
 from .fp_engines import EngineGuardMixin
 from .fp_registry import check_number
-from .fp_settings import call_knobs, call_max_iter, fixed_point_kwargs, generate_knobs, host_reads
+from .fp_settings import GenerateKnobsMixin, call_knobs, call_max_iter, fixed_point_kwargs, host_reads
 from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_speculative import SpeculativeGenerationMixin
 from .fp_stats import FixedPointStats
@@ -389,7 +389,8 @@ class AttractorModel(AttractorPreTrainedModel):
         return out
 
 
-class AttractorForCausalLM(SpeculativeGenerationMixin, AttractorPreTrainedModel, GenerationMixin):
+class AttractorForCausalLM(GenerateKnobsMixin, SpeculativeGenerationMixin, AttractorPreTrainedModel,
+                           GenerationMixin):
     """The Attractor LM with its tied head. ``generate(..., draft_depth=d)`` decodes self-speculatively
     (``fp_speculative``): drafts from a solve capped at ``d`` iterations (``readout_iters=d``), verified at the call's
     depth (its ``readout_iters``, else its solver cap)."""
@@ -402,11 +403,6 @@ class AttractorForCausalLM(SpeculativeGenerationMixin, AttractorPreTrainedModel,
         self.model = AttractorModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
-
-    def generate(self, *args, **kwargs):
-        """``GenerationMixin.generate`` (``draft_depth=d``: self-speculative decoding); every ``fp_*`` keyword reaches
-        each forward (``generate_knobs``)."""
-        return super().generate(*args, **generate_knobs(kwargs))
 
     def _full_depth(self, model_kwargs) -> int:
         """The iterations of the call's solve, resolved as ``forward`` does: its ``readout_iters``, else its

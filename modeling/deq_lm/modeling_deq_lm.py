@@ -19,7 +19,7 @@ from .configuration_deq_lm import DEQLMConfig
 from .fp_backward import fixed_point
 from .fp_engines import EngineGuardMixin
 from .fp_registry import check_number  # noqa: F401  (see vendor.direct_import_problems)
-from .fp_settings import call_knobs, fixed_point_kwargs, generate_knobs
+from .fp_settings import GenerateKnobsMixin, call_knobs, fixed_point_kwargs
 from .fp_solvers import solve  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_stats import FixedPointStats
 
@@ -170,7 +170,7 @@ class DEQLMModel(DEQLMPreTrainedModel):
         return out
 
 
-class DEQLMForCausalLM(DEQLMPreTrainedModel, GenerationMixin):
+class DEQLMForCausalLM(GenerateKnobsMixin, DEQLMPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: DEQLMConfig):
@@ -214,14 +214,13 @@ class DEQLMForCausalLM(DEQLMPreTrainedModel, GenerationMixin):
                 "fp_tol": fp_tol, "fp_overrides": fp_overrides}
 
     def generate(self, *args, **kwargs):
-        """``GenerationMixin.generate`` (every ``fp_*`` keyword reaches each forward: ``generate_knobs``); assisted
-        decoding is refused with the reason (it checks the candidate tokens against a KV cache it crops back, and
-        DEQ-LM keeps none)."""
+        """``GenerationMixin.generate``; assisted decoding is refused with the reason (it checks the candidate tokens
+        against a KV cache it crops back, and DEQ-LM keeps none)."""
         if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens"):
             raise ValueError("DEQ-LM cannot do assisted decoding: it keeps no KV cache (each step solves the fixed "
                              "point over the whole prefix), and assisted decoding crops the cache back to the "
                              "accepted candidate tokens. Generate without assistant_model / prompt_lookup_num_tokens.")
-        return super().generate(*args, **generate_knobs(kwargs))
+        return super().generate(*args, **kwargs)
 
 
 __all__ = ["DEQLMForCausalLM", "DEQLMModel", "DEQLMPreTrainedModel"]

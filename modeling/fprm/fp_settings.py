@@ -172,6 +172,14 @@ def generate_knobs(kwargs: dict) -> dict:
     return kwargs
 
 
+class GenerateKnobsMixin:
+    """``generate`` takes every ``fp_*`` setting as a keyword (``generate_knobs``). Put it before the classes that
+    define ``generate`` (``GenerationMixin``, ``SpeculativeGenerationMixin``)."""
+
+    def generate(self, *args, **kwargs):
+        return super().generate(*args, **generate_knobs(kwargs))
+
+
 def host_reads(config, overrides: dict = None) -> bool:
     """Whether a forward with the per-call ``overrides`` (``call_knobs``) may read the device on the host besides
     its solves' checks: not at ``fp_check_every=0`` (``fp_compat.create_causal_mask``'s ``host_reads``)."""
@@ -220,6 +228,7 @@ __all__ = [
     "CONFIG_OPTIONS",
     "FP_DEFAULTS",
     "FixedPointConfigMixin",
+    "GenerateKnobsMixin",
     "call_knobs",
     "call_max_iter",
     "check_fp_settings",

@@ -47,7 +47,7 @@ from .fp_fpsa_stats import FPSAStats, FPSAStatsSink, with_jac_penalty
 from .fp_halting import ACTAccumulator  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_jacobian import jacobian_frobenius  # noqa: F401  (see vendor.direct_import_problems)
 from .fp_registry import check_number  # noqa: F401  (see vendor.direct_import_problems)
-from .fp_settings import call_knobs, call_max_iter, fixed_point_kwargs, generate_knobs
+from .fp_settings import GenerateKnobsMixin, call_knobs, call_max_iter, fixed_point_kwargs
 from .fp_solvers import defer_finite_checks
 from .fp_speculative import SpeculativeGenerationMixin
 from .fp_stats import FixedPointStats  # noqa: F401  (see vendor.direct_import_problems)
@@ -204,7 +204,8 @@ class SelfMistralModel(SelfMistralPreTrainedModel, MistralModel):
         return SelfMistralModelOutputWithPast(**out, fp_stats=stats)
 
 
-class SelfMistralForCausalLM(SpeculativeGenerationMixin, SelfMistralPreTrainedModel, MistralForCausalLM):
+class SelfMistralForCausalLM(GenerateKnobsMixin, SpeculativeGenerationMixin, SelfMistralPreTrainedModel,
+                             MistralForCausalLM):
     """``MistralForCausalLM`` on ``SelfMistralModel``. Per-call knobs: ``fp_max_iter``, ``fp_tol``, ``fp_overrides``;
     ``fp_stats_log`` (a list) receives the ``FPSAStats`` of each call, e.g. of every ``generate`` step.
     ``generate(..., draft_depth=d)`` decodes self-speculatively (``fp_speculative``)."""
@@ -222,11 +223,6 @@ class SelfMistralForCausalLM(SpeculativeGenerationMixin, SelfMistralPreTrainedMo
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
-
-    def generate(self, *args, **kwargs):
-        """``GenerationMixin.generate`` (``draft_depth=d``: self-speculative decoding); every ``fp_*`` keyword reaches
-        each forward (``generate_knobs``)."""
-        return super().generate(*args, **generate_knobs(kwargs))
 
     def _full_depth(self, model_kwargs) -> int:
         return call_max_iter(self.config, model_kwargs, "generate")
