@@ -271,17 +271,24 @@ class ReasoningBlock(nn.Module):
 class SparsePuzzleEmbedding(nn.Module):
     """Per-puzzle embedding table trained with sign-SGD on the rows a batch touches.
 
-    The table ``weights`` is a persistent buffer (not a parameter: the main optimizer never sees it). In training the
-    batch's rows are copied into a leaf tensor ``local_weights`` that receives the gradient; ``sign_sgd_step`` then
-    applies ``w <- w * (1 - lr * wd) - lr * sign(sum of the grads of that row)`` to the touched rows ("Adam is about
-    sign-SGD for a very sparse gradient"). Zero initialized, as in TRM.
+    The table ``weights`` is a persistent buffer (not a parameter: the main optimizer never sees it). In a training
+    forward the batch's rows are copied into ``local_weights``, a leaf tensor that receives their gradient;
+    ``sign_sgd_step`` then applies ``w <- w * (1 - lr * wd) - lr * sign(sum of the grads of that row)`` to the touched
+    rows ("Adam is about sign-SGD for a very sparse gradient"), with the last training forward's rows and gradient.
+    Zero initialized, as in TRM.
+
+    After a step the leaf is kept and the next training forward refills it in place (as TRM's
+    ``CastedSparseEmbedding`` does), so that a compiled training step takes it as an input: a graph cannot create a
+    tensor that requires grad. A new leaf is made where the batch size, device or dtype changed, or where no step has
+    used the last one's rows (a forward replaces them, as every forward did before); under ``torch.compile`` that
+    allocation is a graph break, so a ``fullgraph=True`` training step runs after one eager step.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
         self.register_buffer("weights", torch.zeros(num_embeddings, embedding_dim), persistent=True)
-        self.local_weights: Optional[torch.Tensor] = None
-        self.local_ids: Optional[torch.Tensor] = None
+        self.local_weights: Optional[torch.Tensor] = None  # the last training forward's rows, a leaf
+        self.local_ids: Optional[torch.Tensor] = None  # their ids; None once a step has used them
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         lo, hi = _value_range(ids)
@@ -291,16 +298,26 @@ class SparsePuzzleEmbedding(nn.Module):
                              "PuzzleMetadata.")
         if not (self.training and torch.is_grad_enabled()):
             return self.weights[ids]
-        self.local_weights = self.weights[ids].detach().clone().requires_grad_(True)
-        self.local_ids = ids
-        return self.local_weights
+        leaf, w = self.local_weights, self.weights
+        if (self.local_ids is not None or leaf is None or leaf.shape[0] != ids.shape[0] or leaf.device != w.device
+                or leaf.dtype != w.dtype):
+            leaf = self._new_leaf(ids.shape[0])
+        with torch.no_grad():
+            leaf.copy_(w[ids])
+        self.local_weights, self.local_ids = leaf, ids
+        return leaf
+
+    @torch.compiler.disable
+    def _new_leaf(self, rows: int) -> torch.Tensor:
+        return torch.zeros(rows, self.weights.shape[1], dtype=self.weights.dtype, device=self.weights.device,
+                           requires_grad=True)
 
     @torch.no_grad()
     def sign_sgd_step(self, lr: float, weight_decay: float = 0.0, ids=None, grad=None) -> None:
         """Apply one sign-SGD step with the gradient of the last training forward (or given ``ids``/``grad``,
-        e.g. gathered from every process), then drop it."""
+        e.g. gathered from every process), then drop it; the leaf is kept for the next forward to refill."""
         if ids is None:
-            if self.local_weights is None or self.local_weights.grad is None:
+            if self.local_ids is None or self.local_weights.grad is None:
                 return
             ids, grad = self.local_ids, self.local_weights.grad
         uniq, inv = torch.unique(ids, return_inverse=True)
@@ -308,7 +325,9 @@ class SparsePuzzleEmbedding(nn.Module):
         summed.index_add_(0, inv, grad)
         rows = self.weights[uniq]
         self.weights[uniq] = rows * (1.0 - lr * weight_decay) - lr * summed.sign().to(rows.dtype)
-        self.local_weights = self.local_ids = None
+        if self.local_weights is not None:
+            self.local_weights.grad = None
+        self.local_ids = None
 
 
 # The research code's 1/sqrt(2) for learned positions, as it writes it (a rounded literal): float64 parity with its

@@ -170,7 +170,14 @@ class PuzzleModelTesterMixin(FixedPointModelTesterMixin):
             summed = grad[batch["puzzle_identifiers"] == row].sum(0)
             expected[row] = before[row] * (1 - 0.1 * 0.5) - 0.1 * summed.sign()
         torch.testing.assert_close(table.weights, expected, rtol=0, atol=1e-6)
-        assert table.local_weights is None
+        # The step used the rows: the next training forward refills the same leaf (a compiled step's input) ...
+        leaf = table.local_weights
+        assert table.local_ids is None and leaf.grad is None
+        model(**batch)
+        assert table.local_weights is leaf and torch.equal(leaf.detach(), table.weights[batch["puzzle_identifiers"]])
+        # ... and a forward whose rows no step used gets a new one (the last forward's rows are the step's).
+        model(**batch).loss.backward()
+        assert table.local_weights is not leaf and leaf.grad is None
 
     # Overrides that make the recurrence run a fixed number of plain iterations, so that with causal attention a
     # prefix's outputs cannot depend on later tokens through a stopping rule or a solver's whole-sample mixing.

@@ -98,9 +98,8 @@ def test_host_reads_do_not_grow_with_the_layers():
     assert counts[0] == counts[1] == HOST_READS["self_llama"]
 
 
-# The puzzle families (FPRM, TRM, URM) are left out: their sparse puzzle embedding makes a leaf tensor inside forward
-# for its sign-SGD gradient (``fp_reasoning.PuzzleEmbedding``), which a compiled graph cannot return (docs/gpu.md).
-# Ouro has no solve (no backward mode): its training step as it is.
+# Ouro has no solve (no backward mode): its training step as it is. The puzzle families' step also updates their
+# sparse puzzle embedding: test_puzzle_training_step_compiles_as_one_graph.
 TRAINING = [(n, b) for n in NAMES if n not in ("ouro", "fprm", "trm", "urm")
             for b in ("one_step", "phantom", "bptt")] + [("ouro", None)]
 
@@ -122,6 +121,40 @@ def test_training_step_compiles_as_one_graph(name, backward):
         grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
     assert len(grads[0]) == len(grads[1]) > 0
     assert max((a - b).abs().max().item() for a, b in zip(*grads)) <= 1e-5
+
+
+@pytest.mark.parametrize("name,backward", [(n, b) for n in ("fprm", "trm", "urm")
+                                           for b in ("one_step", "phantom", "bptt")])
+def test_puzzle_training_step_compiles_as_one_graph(name, backward):
+    """A puzzle family's training step (forward, backward, sign-SGD on the puzzle embedding's touched rows) compiles
+    as one graph once an eager step has made the embedding's gradient leaf, and gives eager's gradients, the puzzle
+    rows' included, and eager's table update."""
+    model, inputs = build(name)
+    table = model.model.trunk.input.puzzle_emb
+    assert table is not None and inputs.get("puzzle_identifiers") is not None
+    with torch.no_grad():
+        table.weights.normal_()
+    model.train()
+    kw = {"fp_check_every": 0, "fp_max_iter": 3, "fp_backward": backward}
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    grads, tables = [], []
+    start = table.weights.clone()
+    for fn in (model, compiled):
+        model.zero_grad()
+        with torch.no_grad():
+            table.weights.copy_(start)
+        torch.manual_seed(0)  # the same start noise and dropout masks
+        main_output(fn(**inputs, **kw)).float().pow(2).mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None]
+                     + [table.local_weights.grad.clone()])
+        table.sign_sgd_step(lr=0.1, weight_decay=0.5)
+        tables.append(table.weights.clone())
+    assert len(grads[0]) == len(grads[1]) > 1
+    assert max((a - b).abs().max().item() for a, b in zip(*grads)) <= 1e-5
+    assert grads[0][-1].abs().sum() > 0
+    torch.testing.assert_close(tables[1], tables[0], rtol=0, atol=0)
+    assert not torch.equal(tables[0], start)
 
 
 @pytest.mark.parametrize("name,cache_kind", [("attractor_lm", "dynamic"), ("attractor_lm", "static"),
