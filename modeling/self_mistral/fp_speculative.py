@@ -240,7 +240,7 @@ class Speculation:
 
     def unsure(self, prob, state) -> bool:
         """Whether an unfinished row's probability ``prob`` ``(B,)`` is below ``assistant_confidence_threshold``."""
-        return bool((prob < self.confidence)[state.unfinished].any())
+        return bool(((prob < self.confidence) & state.unfinished).any())  # no boolean indexing: no nonzero
 
     def process(self, state, drafts, logits, logits_processor):
         """Processed scores ``(B, k + 1, V)`` from the full depth's logits ``(B, k + 1, V)`` at ``state.last`` and
@@ -259,7 +259,7 @@ class Speculation:
         if not self.sample:
             chosen = target.argmax(-1)
             matched = (drafts == chosen[:, :k]).long().cumprod(-1).sum(-1)
-            return chosen[:, : int((matched + 1)[unfinished].min())], matched
+            return chosen[:, : int(torch.where(unfinished, matched + 1, k + 1).min())], matched
         if k == 0:
             return self.choose(target[:, 0])[:, None], torch.zeros_like(drafts[:, 0:1].sum(-1))
         rows, matched = [], []
@@ -283,7 +283,7 @@ class Speculation:
         stats["accepted_draft_tokens"] += matched * active.long()
         stats["verify_rounds"] += 1
         if self.schedule != "constant" and k:  # transformers' heuristic: +2 after a fully accepted draft, else -1
-            full = bool((matched[active] == k).all())
+            full = bool(((matched == k) | ~active).all())
             self.num_tokens = self.num_tokens + 2 if full else max(1, self.num_tokens - 1)
 
 
